@@ -1,0 +1,1 @@
+"""The vocabulary of kvpushd: msgspec Structs and enums, no logic."""

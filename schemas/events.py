@@ -1,0 +1,191 @@
+"""Journal events: one tagged union, wrapped in an envelope per record.
+
+Every journal record is an :class:`Record` envelope (format version, node,
+sequence number, wall-clock time, all stamped by the shell) around one event
+body. Bodies are facts about the node's registry; folding them in order
+through ``statemachine.Registry.apply`` rebuilds the live state exactly.
+
+Records are encoded ``array_like`` (positional msgpack arrays): the journal is
+written and replayed millions of times, and positional encoding is both
+smaller and about 40 % faster to decode. The price is that fields are only
+ever appended, with defaults, which the format version makes explicit.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+
+from schemas.layout import EngineLayout, Role
+from schemas.reasons import Reason
+
+FORMAT_VERSION: Final = 1
+
+Blocks = tuple[tuple[int, ...], ...]
+"""Kernel block ids, one tuple per KV-cache group, in group order."""
+
+
+class _Event(msgspec.Struct, frozen=True, array_like=True, tag_field="ev"):
+    """Base of all event bodies (never encoded by itself)."""
+
+
+class _RequestEvent(_Event, frozen=True):
+    request_id: str
+    incarnation: int
+
+
+class DaemonStarted(_Event, frozen=True, tag="daemon_started"):
+    """The daemon started and finished replaying its journal."""
+
+    pid: int
+    version: str
+    boot_id: str
+
+
+class EngineAttached(_Event, frozen=True, tag="engine_attached"):
+    layout: EngineLayout
+
+
+class EngineDetached(_Event, frozen=True, tag="engine_detached"):
+    engine_id: str
+
+
+class Registered(_RequestEvent, frozen=True, tag="registered"):
+    """A local engine registered a request; ``blocks`` are kernel ids."""
+
+    role: Role
+    engine_id: str
+    peer: str
+    blocks: Blocks
+
+
+class PeerRegistered(_RequestEvent, frozen=True, tag="peer_registered"):
+    """Pusher side: the receiver's registration, forwarded by its daemon."""
+
+    peer: str
+    engine_id: str
+    blocks: Blocks
+    per_logical: int = 1
+
+
+class KvReady(_RequestEvent, frozen=True, tag="kv_ready"):
+    """Pusher side: the prefill engine finished computing the KV."""
+
+
+class Trimmed(_RequestEvent, frozen=True, tag="trimmed"):
+    """Pusher side: blocks paired after prefix-cache trim, ready to write.
+
+    ``src[g][i]`` is written into ``dst[g][i]``. The counts before trim are
+    kept so a postmortem can see what each side asked for.
+    """
+
+    src: Blocks
+    dst: Blocks
+    src_before: tuple[int, ...]
+    dst_before: tuple[int, ...]
+
+
+class WriteStarted(_RequestEvent, frozen=True, tag="write_started"):
+    num_blocks: int
+    nbytes: int
+
+
+class WriteDone(_RequestEvent, frozen=True, tag="write_done"):
+    pass
+
+
+class Failed(_RequestEvent, frozen=True, tag="failed"):
+    """The request failed.
+
+    ``settled`` (receiver side) says the failure comes with the pusher's
+    final word: no write into the destination blocks can still happen.
+    """
+
+    reason: Reason
+    message: str
+    settled: bool = False
+
+
+class PeerSettled(_RequestEvent, frozen=True, tag="peer_settled"):
+    """Receiver side: the pusher confirmed no write is or will be in flight.
+
+    ``fenced`` means the confirmation came from fencing a dead peer rather
+    than from the peer itself.
+    """
+
+    fenced: bool = False
+
+
+class ReleaseDeferred(_RequestEvent, frozen=True, tag="release_deferred"):
+    """The engine asked to release while a write may be in flight."""
+
+
+class Released(_RequestEvent, frozen=True, tag="released"):
+    pass
+
+
+class Refused(_RequestEvent, frozen=True, tag="refused"):
+    """A message about a request was refused; no state changed.
+
+    Journaled so that the postmortem sees every refusal, in order.
+    """
+
+    engine_id: str
+    reason: Reason
+    message: str
+
+
+Event = (
+    DaemonStarted
+    | EngineAttached
+    | EngineDetached
+    | Registered
+    | PeerRegistered
+    | KvReady
+    | Trimmed
+    | WriteStarted
+    | WriteDone
+    | Failed
+    | PeerSettled
+    | ReleaseDeferred
+    | Released
+    | Refused
+)
+
+RequestEvent = (
+    Registered
+    | PeerRegistered
+    | KvReady
+    | Trimmed
+    | WriteStarted
+    | WriteDone
+    | Failed
+    | PeerSettled
+    | ReleaseDeferred
+    | Released
+    | Refused
+)
+
+
+class Record(msgspec.Struct, frozen=True, array_like=True):
+    """One journal record: the envelope the shell stamps around an event."""
+
+    v: int
+    node: str
+    seq: int
+    ts: float
+    event: Event
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Record)
+
+
+def encode_record(record: Record) -> bytes:
+    return _encoder.encode(record)
+
+
+def decode_record(payload: bytes | memoryview) -> Record:
+    """Decode one record; raises ``msgspec.DecodeError`` or ``ValidationError``."""
+    return _decoder.decode(payload)

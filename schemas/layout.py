@@ -1,0 +1,42 @@
+"""What an engine's KV cache looks like to the core: groups, kinds, ratios."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class Role(enum.StrEnum):
+    """Which side of a transfer a node plays for one request."""
+
+    PUSHER = "pusher"  # prefill side: owns the source blocks, posts the WRITE
+    RECEIVER = "receiver"  # decode side: owns the destination blocks
+
+
+class GroupKind(enum.StrEnum):
+    """KV-cache group kind; decides how a group is expanded and trimmed."""
+
+    ATTENTION = "attention"
+    SSM = "ssm"
+
+
+class GroupLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One KV-cache group of an engine.
+
+    ``num_blocks`` counts kernel (physical) blocks: the unit the memory is
+    laid out in and the unit block ids refer to after expansion.
+    ``per_logical`` is how many kernel blocks one logical block of the
+    engine's scheduler spans (1 for most models).
+    """
+
+    kind: GroupKind
+    num_blocks: int
+    per_logical: int = 1
+
+
+class EngineLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The groups of one engine, in group order."""
+
+    engine_id: str
+    groups: tuple[GroupLayout, ...]

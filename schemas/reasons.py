@@ -1,0 +1,43 @@
+"""Refusal and failure reasons: stable string codes.
+
+The codes are part of the wire protocol, the journal format and the operator's
+troubleshooting table, so a code is never renamed or reused; new reasons are
+only ever added.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Reason(enum.StrEnum):
+    # Registration refusals (the request never becomes live).
+    UNKNOWN_ENGINE = "unknown_engine"
+    DUPLICATE_REQUEST = "duplicate_request"
+    STALE_INCARNATION = "stale_incarnation"
+    UNKNOWN_REQUEST = "unknown_request"
+    BLOCKS_OWNED = "blocks_owned"
+    BLOCK_OUT_OF_RANGE = "block_out_of_range"
+    DUPLICATE_BLOCK = "duplicate_block"
+    GROUP_COUNT_MISMATCH = "group_count_mismatch"
+    ROLE_MISMATCH = "role_mismatch"
+    ENGINE_IN_USE = "engine_in_use"
+
+    # Trim refusals (the request fails before any byte is written).
+    DECODE_LONGER_THAN_PREFILL = "decode_longer_than_prefill"
+    SSM_COUNT_MISMATCH = "ssm_count_mismatch"
+    RATIO_PADDING_EXCEEDED = "ratio_padding_exceeded"
+    BLOCK_COUNT_MISMATCH = "block_count_mismatch"
+
+    # Lifecycle refusals.
+    ILLEGAL_TRANSITION = "illegal_transition"
+    RELEASE_DEFERRED = "release_deferred"
+
+    # Failures of a live request.
+    ABORTED = "aborted"
+    CANCELLED_BY_PEER = "cancelled_by_peer"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    PEER_DEAD = "peer_dead"
+    TRANSFER_ERROR = "transfer_error"
+    DAEMON_RESTART = "daemon_restart"
+    REFUSED_BY_PEER = "refused_by_peer"

@@ -1,0 +1,85 @@
+"""The shape of the core's state: request records, deadlines, snapshots.
+
+Only data lives here; the rules that move it are in ``statemachine``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from schemas.events import Blocks, PeerRegistered
+from schemas.layout import EngineLayout, Role
+from schemas.reasons import Reason
+
+
+class State(enum.StrEnum):
+    REGISTERED = "registered"
+    TRIMMED = "trimmed"
+    WRITING = "writing"
+    DONE = "done"
+    RELEASED = "released"
+    FAILED = "failed"
+
+
+class Deadlines(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Seconds a request may spend in each state before the shell acts.
+
+    Every live state has one, so every request ends (DESIGN invariant 7).
+    """
+
+    registered: float = 30.0
+    trimmed: float = 30.0
+    writing: float = 30.0
+    done: float = 120.0
+    failed: float = 60.0
+
+    def for_state(self, state: State) -> float:
+        return getattr(self, state.value)
+
+
+class RequestRecord(msgspec.Struct, frozen=True):
+    """Everything a node knows about one live request.
+
+    Records are immutable; a transition produces a new record.
+    """
+
+    request_id: str
+    incarnation: int
+    role: Role
+    engine_id: str
+    peer: str
+    state: State
+    blocks: Blocks
+    entered_at: float
+    deadline: float
+    # Pusher side: the receiver's registration, then the trimmed pairing.
+    remote_engine: str = ""
+    remote_blocks: Blocks | None = None
+    remote_per_logical: int = 1
+    src: Blocks | None = None
+    dst: Blocks | None = None
+    kv_ready: bool = False
+    # Receiver side: the pusher has given its final word for this request.
+    settled: bool = False
+    release_pending: bool = False
+    reason: Reason | None = None
+    message: str = ""
+
+
+class PendingPeer(msgspec.Struct, frozen=True):
+    """A receiver's registration that reached the pusher before its engine did."""
+
+    registration: PeerRegistered
+    received_at: float
+
+
+class RegistrySnapshot(msgspec.Struct, frozen=True):
+    """The whole registry as data: written to snapshots, compared in tests."""
+
+    last_seq: int
+    engines: tuple[EngineLayout, ...]
+    live: tuple[RequestRecord, ...]
+    pending: tuple[PendingPeer, ...]
+    tombstones: tuple[tuple[str, int], ...]

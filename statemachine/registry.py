@@ -1,0 +1,521 @@
+"""The node registry: every live request of one daemon, and who owns which block.
+
+Sans-IO in the style of h11: the shell asks a ``check_*``/``plan_*`` method
+what should happen, which either raises a :class:`Refusal` (nothing changed)
+or returns event bodies; the shell stamps and journals those events, then
+feeds each one to :meth:`Registry.apply`, the only method that mutates. Replay
+calls the same :meth:`apply` with the journaled events, so the live registry
+and the replayed one are built by the same code (DESIGN invariant 8).
+
+Refusal rules enforced here:
+
+* an unknown engine, a duplicate live request id, a stale incarnation (one
+  covered by a tombstone), a group-count mismatch, block ids outside the
+  engine's declared range, a block listed twice;
+* a receiver's destination block already owned by another live request
+  (invariant 1: one owner per destination block);
+* a release while a write may be in flight is deferred, never honoured
+  (invariant 2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from schemas.events import (
+    Blocks,
+    DaemonStarted,
+    EngineAttached,
+    EngineDetached,
+    Event,
+    Failed,
+    PeerRegistered,
+    PeerSettled,
+    Refused,
+    Registered,
+    Released,
+    ReleaseDeferred,
+    RequestEvent,
+    Trimmed,
+)
+from schemas.layout import EngineLayout, GroupKind, Role
+from schemas.reasons import Reason
+from schemas.state import (
+    Deadlines,
+    PendingPeer,
+    RegistrySnapshot,
+    RequestRecord,
+    State,
+)
+from statemachine.errors import IllegalTransition, Refusal
+from statemachine.tombstones import Tombstones
+from statemachine.transitions import apply as apply_transition
+from statemachine.transitions import is_quarantined
+from statemachine.trim import apply_prefix_caching, to_kernel_blocks
+
+DEFAULT_TOMBSTONE_LIMIT = 100_000
+
+_BlockKey = tuple[str, int]  # (engine id, group index)
+
+
+def attention_ratio(layout: EngineLayout) -> int:
+    """Kernel blocks per logical block of the engine's attention groups."""
+    ratios = {g.per_logical for g in layout.groups if g.kind is GroupKind.ATTENTION}
+    return max(ratios, default=1)
+
+
+def expand_blocks(layout: EngineLayout, logical: Sequence[Sequence[int]]) -> Blocks:
+    """Logical ids per group -> kernel ids per group (SSM groups are not expanded)."""
+    return tuple(
+        tuple(ids)
+        if group.kind is GroupKind.SSM
+        else tuple(to_kernel_blocks(ids, group.per_logical))
+        for group, ids in zip(layout.groups, logical, strict=True)
+    )
+
+
+def validate_layout(layout: EngineLayout) -> None:
+    if not layout.engine_id:
+        raise Refusal(Reason.UNKNOWN_ENGINE, "engine id must not be empty")
+    if not layout.groups:
+        raise Refusal(Reason.GROUP_COUNT_MISMATCH, f"engine {layout.engine_id} declares no groups")
+    for g, group in enumerate(layout.groups):
+        if group.num_blocks < 0 or group.per_logical < 1:
+            raise Refusal(
+                Reason.BLOCK_OUT_OF_RANGE,
+                f"engine {layout.engine_id} group {g}: num_blocks must be >= 0 and "
+                f"per_logical >= 1 (got {group.num_blocks}, {group.per_logical})",
+            )
+
+
+def _check_blocks(layout: EngineLayout, blocks: Blocks, what: str) -> None:
+    if len(blocks) != len(layout.groups):
+        raise Refusal(
+            Reason.GROUP_COUNT_MISMATCH,
+            f"{what} lists {len(blocks)} groups, engine {layout.engine_id} has "
+            f"{len(layout.groups)}",
+        )
+    for g, (group, ids) in enumerate(zip(layout.groups, blocks, strict=True)):
+        if not ids:
+            continue
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= group.num_blocks:
+            bad = lo if lo < 0 else hi
+            raise Refusal(
+                Reason.BLOCK_OUT_OF_RANGE,
+                f"{what}: group {g} block {bad} is outside engine {layout.engine_id}'s "
+                f"range 0..{group.num_blocks - 1}",
+            )
+        if len(set(ids)) != len(ids):
+            raise Refusal(Reason.DUPLICATE_BLOCK, f"{what}: group {g} lists a block twice")
+
+
+class Registry:
+    """Live requests, engines, block ownership and tombstones of one node."""
+
+    def __init__(
+        self,
+        *,
+        deadlines: Deadlines | None = None,
+        tombstone_limit: int = DEFAULT_TOMBSTONE_LIMIT,
+    ) -> None:
+        self.deadlines = deadlines or Deadlines()
+        self.engines: dict[str, EngineLayout] = {}
+        self.live: dict[str, RequestRecord] = {}
+        self.pending: dict[str, PendingPeer] = {}
+        self.tombstones = Tombstones(tombstone_limit)
+        # Destination-block ownership, receivers only: (engine, group) -> block -> request.
+        self._owners: dict[_BlockKey, dict[int, str]] = {}
+
+    # ------------------------------------------------------------------ queries
+
+    def get(self, request_id: str) -> RequestRecord | None:
+        return self.live.get(request_id)
+
+    def owner_of(self, engine_id: str, group: int, block: int) -> str | None:
+        return self._owners.get((engine_id, group), {}).get(block)
+
+    def owned_blocks(self) -> dict[_BlockKey, dict[int, str]]:
+        return {key: dict(owners) for key, owners in self._owners.items() if owners}
+
+    def lookup(self, request_id: str, incarnation: int) -> RequestRecord:
+        """The live record for exactly this incarnation, or a typed refusal."""
+        record = self.live.get(request_id)
+        if record is not None and record.incarnation == incarnation:
+            return record
+        if self.tombstones.covers(request_id, incarnation) or (
+            record is not None and incarnation < record.incarnation
+        ):
+            raise Refusal(
+                Reason.STALE_INCARNATION,
+                f"request {request_id}#{incarnation} was already released",
+            )
+        raise Refusal(Reason.UNKNOWN_REQUEST, f"no live request {request_id}#{incarnation}")
+
+    def expired(self, now: float) -> list[RequestRecord | PendingPeer]:
+        """Live records and pending peer registrations whose deadline has passed."""
+        due: list[RequestRecord | PendingPeer] = [
+            r for r in self.live.values() if r.deadline <= now
+        ]
+        limit = self.deadlines.registered
+        due.extend(p for p in self.pending.values() if p.received_at + limit <= now)
+        return due
+
+    # ------------------------------------------------------------- validation
+
+    def _engine(self, engine_id: str) -> EngineLayout:
+        layout = self.engines.get(engine_id)
+        if layout is None:
+            raise Refusal(Reason.UNKNOWN_ENGINE, f"engine {engine_id!r} is not registered")
+        return layout
+
+    def _check_new_key(self, request_id: str, incarnation: int) -> None:
+        live = self.live.get(request_id)
+        if live is not None:
+            raise Refusal(
+                Reason.DUPLICATE_REQUEST,
+                f"request {request_id} is already live as incarnation {live.incarnation} "
+                f"({live.state.value})",
+            )
+        if self.tombstones.covers(request_id, incarnation):
+            raise Refusal(
+                Reason.STALE_INCARNATION,
+                f"request {request_id}#{incarnation} was already released "
+                f"(latest released incarnation {self.tombstones.get(request_id)})",
+            )
+
+    def _check_unowned(self, engine_id: str, blocks: Blocks, request_id: str) -> None:
+        for g, ids in enumerate(blocks):
+            owners = self._owners.get((engine_id, g))
+            if not owners:
+                continue
+            for block in ids:
+                owner = owners.get(block)
+                if owner is not None and owner != request_id:
+                    raise Refusal(
+                        Reason.BLOCKS_OWNED,
+                        f"engine {engine_id} group {g} block {block} is owned by live "
+                        f"request {owner}",
+                    )
+
+    def check_attach(self, layout: EngineLayout) -> EngineAttached:
+        validate_layout(layout)
+        current = self.engines.get(layout.engine_id)
+        if current is not None and current != layout and self._engine_busy(layout.engine_id):
+            raise Refusal(
+                Reason.ENGINE_IN_USE,
+                f"engine {layout.engine_id} has live requests; its layout cannot change",
+            )
+        return EngineAttached(layout)
+
+    def check_detach(self, engine_id: str) -> EngineDetached:
+        self._engine(engine_id)
+        if self._engine_busy(engine_id):
+            raise Refusal(Reason.ENGINE_IN_USE, f"engine {engine_id} has live requests")
+        return EngineDetached(engine_id)
+
+    def _engine_busy(self, engine_id: str) -> bool:
+        return any(r.engine_id == engine_id for r in self.live.values())
+
+    def check_register(
+        self,
+        request_id: str,
+        incarnation: int,
+        role: Role,
+        engine_id: str,
+        peer: str,
+        logical_blocks: Sequence[Sequence[int]],
+    ) -> Registered:
+        """Validate a local engine's registration; blocks are logical ids."""
+        layout = self._engine(engine_id)
+        self._check_new_key(request_id, incarnation)
+        if len(logical_blocks) != len(layout.groups):
+            raise Refusal(
+                Reason.GROUP_COUNT_MISMATCH,
+                f"request {request_id} lists {len(logical_blocks)} groups, engine "
+                f"{engine_id} has {len(layout.groups)}",
+            )
+        if any(lid < 0 for ids in logical_blocks for lid in ids):
+            raise Refusal(Reason.BLOCK_OUT_OF_RANGE, f"request {request_id}: negative block id")
+        blocks = expand_blocks(layout, logical_blocks)
+        _check_blocks(layout, blocks, f"request {request_id}")
+        if role is Role.RECEIVER:
+            self._check_unowned(engine_id, blocks, request_id)
+        return Registered(request_id, incarnation, role, engine_id, peer, blocks)
+
+    def check_peer_registration(
+        self,
+        request_id: str,
+        incarnation: int,
+        peer: str,
+        engine_id: str,
+        blocks: Blocks,
+        per_logical: int,
+    ) -> PeerRegistered:
+        """Validate a receiver's registration forwarded by its daemon."""
+        record = self.live.get(request_id)
+        if record is not None and record.incarnation == incarnation:
+            if record.role is not Role.PUSHER:
+                raise Refusal(
+                    Reason.ROLE_MISMATCH, f"request {request_id} is a receiver on this node"
+                )
+            if record.remote_blocks is not None:
+                raise Refusal(
+                    Reason.DUPLICATE_REQUEST,
+                    f"request {request_id}#{incarnation}: receiver already registered",
+                )
+        else:
+            self._check_new_key(request_id, incarnation)
+            if request_id in self.pending:
+                raise Refusal(
+                    Reason.DUPLICATE_REQUEST,
+                    f"request {request_id}: receiver registration already pending",
+                )
+        if per_logical < 1:
+            raise Refusal(Reason.BLOCK_OUT_OF_RANGE, f"per_logical must be >= 1, got {per_logical}")
+        return PeerRegistered(request_id, incarnation, peer, engine_id, blocks, per_logical)
+
+    def plan_trim(self, request_id: str, incarnation: int) -> Trimmed:
+        """Pair the pusher's blocks with the receiver's; raises TrimRefused."""
+        record = self.lookup(request_id, incarnation)
+        if record.role is not Role.PUSHER or record.remote_blocks is None:
+            raise IllegalTransition(
+                f"request {request_id}#{incarnation}: trim needs a pusher record with the "
+                f"receiver's registration"
+            )
+        layout = self._engine(record.engine_id)
+        dst, src = apply_prefix_caching(
+            record.remote_blocks,
+            record.blocks,
+            group_kinds=[g.kind for g in layout.groups],
+            decode_per_logical=record.remote_per_logical,
+            prefill_per_logical=attention_ratio(layout),
+        )
+        return Trimmed(
+            request_id,
+            incarnation,
+            src=tuple(tuple(ids) for ids in src),
+            dst=tuple(tuple(ids) for ids in dst),
+            src_before=tuple(len(ids) for ids in record.blocks),
+            dst_before=tuple(len(ids) for ids in record.remote_blocks),
+        )
+
+    def plan_abort(
+        self, request_id: str, incarnation: int, reason: Reason, message: str
+    ) -> list[RequestEvent]:
+        """Events that end a live request early (engine abort, peer cancel)."""
+        record = self.lookup(request_id, incarnation)
+        if record.state in (State.DONE, State.FAILED):
+            return []
+        if record.role is Role.PUSHER and record.state is State.WRITING:
+            # The write cannot be recalled; it ends as done or failed and the
+            # receiver learns which. The abort becomes a deferred release.
+            return []
+        return [Failed(request_id, incarnation, reason, message)]
+
+    def plan_release(self, request_id: str, incarnation: int) -> list[RequestEvent]:
+        """Events for an engine's release: honoured, or deferred while quarantined."""
+        record = self.lookup(request_id, incarnation)
+        events: list[RequestEvent] = []
+        if record.state in (State.REGISTERED, State.TRIMMED) or (
+            record.role is Role.RECEIVER and record.state is State.WRITING
+        ):
+            # Releasing before done gives the request up; preview the failure
+            # to decide whether the release itself must wait.
+            failed = Failed(request_id, incarnation, Reason.ABORTED, "released before done")
+            events.append(failed)
+            record = apply_transition(record, failed, record.entered_at, self.deadlines)
+        if not is_quarantined(record):
+            events.append(Released(request_id, incarnation))
+        elif not record.release_pending:
+            events.append(ReleaseDeferred(request_id, incarnation))
+        return events
+
+    def follow_up(self, record: RequestRecord) -> list[RequestEvent]:
+        """A deferred release becomes due once the quarantine lifts."""
+        if (
+            record.release_pending
+            and record.state is not State.RELEASED
+            and record.state in (State.DONE, State.FAILED)
+            and not is_quarantined(record)
+        ):
+            return [Released(record.request_id, record.incarnation)]
+        return []
+
+    def on_deadline(self, due: RequestRecord | PendingPeer) -> RequestEvent:
+        """The event that moves an expired request on towards ``released``.
+
+        The shell must make it true before journaling it: abort the NIXL
+        transfer of a pusher caught writing, and fence a receiver's peer (drop
+        its link and its NIXL metadata) before ``PeerSettled(fenced=True)``.
+        """
+        if isinstance(due, PendingPeer):
+            reg = due.registration
+            return Failed(
+                reg.request_id,
+                reg.incarnation,
+                Reason.DEADLINE_EXCEEDED,
+                "the prefill engine never registered the request",
+                settled=True,
+            )
+        rid, inc = due.request_id, due.incarnation
+        if due.state in (State.REGISTERED, State.TRIMMED, State.WRITING):
+            return Failed(
+                rid, inc, Reason.DEADLINE_EXCEEDED, f"deadline passed in state {due.state.value}"
+            )
+        if is_quarantined(due):
+            return PeerSettled(rid, inc, fenced=True)
+        return Released(rid, inc)
+
+    # ------------------------------------------------------------------- fold
+
+    def apply(self, event: Event, ts: float) -> RequestRecord | None:
+        """Fold one journaled event into the registry; returns the record touched.
+
+        Raises :class:`Refusal` (and changes nothing) if the event is not
+        legal here; for a journal written by this code that means damage or a
+        bug, and replay reports it.
+        """
+        handler = _HANDLERS.get(type(event))
+        if handler is not None:
+            return handler(self, event, ts)
+        record = self.live.get(event.request_id)  # type: ignore[union-attr]
+        if record is None:
+            if isinstance(event, Failed) and event.request_id in self.pending:
+                return self._fail_pending(event)
+            self.lookup(event.request_id, event.incarnation)  # type: ignore[union-attr]
+            raise AssertionError("unreachable: lookup raises for a missing record")
+        new = apply_transition(record, event, ts, self.deadlines)  # type: ignore[arg-type]
+        if new.state is State.RELEASED:
+            self._drop(new)
+        else:
+            self.live[new.request_id] = new
+        return new
+
+    def _apply_registered(self, event: Registered, ts: float) -> RequestRecord:
+        layout = self._engine(event.engine_id)
+        self._check_new_key(event.request_id, event.incarnation)
+        _check_blocks(layout, event.blocks, f"request {event.request_id}")
+        record = RequestRecord(
+            request_id=event.request_id,
+            incarnation=event.incarnation,
+            role=event.role,
+            engine_id=event.engine_id,
+            peer=event.peer,
+            state=State.REGISTERED,
+            blocks=event.blocks,
+            entered_at=ts,
+            deadline=ts + self.deadlines.registered,
+        )
+        if event.role is Role.RECEIVER:
+            self._check_unowned(event.engine_id, event.blocks, event.request_id)
+            self._claim(record)
+        pending = self.pending.get(event.request_id)
+        if event.role is Role.PUSHER and pending is not None:
+            reg = pending.registration
+            if reg.incarnation == event.incarnation:
+                del self.pending[event.request_id]
+                record = apply_transition(record, reg, ts, self.deadlines)
+        self.live[record.request_id] = record
+        return record
+
+    def _apply_peer_registered(self, event: PeerRegistered, ts: float) -> RequestRecord | None:
+        record = self.live.get(event.request_id)
+        if record is not None and record.incarnation == event.incarnation:
+            new = apply_transition(record, event, ts, self.deadlines)
+            self.live[new.request_id] = new
+            return new
+        self._check_new_key(event.request_id, event.incarnation)
+        if event.request_id in self.pending:
+            raise Refusal(Reason.DUPLICATE_REQUEST, f"request {event.request_id}: already pending")
+        self.pending[event.request_id] = PendingPeer(event, ts)
+        return None
+
+    def _fail_pending(self, event: Failed) -> None:
+        pending = self.pending[event.request_id]
+        if pending.registration.incarnation != event.incarnation:
+            self.lookup(event.request_id, event.incarnation)
+        del self.pending[event.request_id]
+        self.tombstones.add(event.request_id, event.incarnation)
+        return None
+
+    def _apply_attached(self, event: EngineAttached, ts: float) -> None:
+        self.check_attach(event.layout)
+        self.engines[event.layout.engine_id] = event.layout
+        return None
+
+    def _apply_detached(self, event: EngineDetached, ts: float) -> None:
+        self.check_detach(event.engine_id)
+        del self.engines[event.engine_id]
+        return None
+
+    def _apply_nothing(self, event: Event, ts: float) -> None:
+        return None
+
+    def _claim(self, record: RequestRecord) -> None:
+        for g, ids in enumerate(record.blocks):
+            if ids:
+                owners = self._owners.setdefault((record.engine_id, g), {})
+                for block in ids:
+                    owners[block] = record.request_id
+
+    def _drop(self, record: RequestRecord) -> None:
+        # Invariant 5: nothing about a released request survives but its tombstone.
+        del self.live[record.request_id]
+        if record.role is Role.RECEIVER:
+            for g, ids in enumerate(record.blocks):
+                owners = self._owners.get((record.engine_id, g))
+                if owners is not None:
+                    for block in ids:
+                        owners.pop(block, None)
+                    if not owners:
+                        del self._owners[(record.engine_id, g)]
+        self.tombstones.add(record.request_id, record.incarnation)
+
+    # -------------------------------------------------------------- snapshots
+
+    def snapshot(self, last_seq: int) -> RegistrySnapshot:
+        return RegistrySnapshot(
+            last_seq=last_seq,
+            engines=tuple(self.engines.values()),
+            live=tuple(self.live.values()),
+            pending=tuple(self.pending.values()),
+            tombstones=tuple(self.tombstones),
+        )
+
+    @classmethod
+    def from_snapshot(
+        cls,
+        snap: RegistrySnapshot,
+        *,
+        deadlines: Deadlines | None = None,
+        tombstone_limit: int = DEFAULT_TOMBSTONE_LIMIT,
+    ) -> Registry:
+        registry = cls(deadlines=deadlines, tombstone_limit=tombstone_limit)
+        registry.engines = {layout.engine_id: layout for layout in snap.engines}
+        registry.pending = {p.registration.request_id: p for p in snap.pending}
+        registry.tombstones = Tombstones(tombstone_limit, snap.tombstones)
+        for record in snap.live:
+            registry.live[record.request_id] = record
+            if record.role is Role.RECEIVER:
+                registry._claim(record)
+        return registry
+
+
+def fold(events: Iterable[tuple[Event, float]], registry: Registry | None = None) -> Registry:
+    """Apply ``(event, ts)`` pairs in order; the replay path of the core."""
+    registry = registry if registry is not None else Registry()
+    apply = registry.apply
+    for event, ts in events:
+        apply(event, ts)
+    return registry
+
+
+_HANDLERS = {
+    Registered: Registry._apply_registered,
+    PeerRegistered: Registry._apply_peer_registered,
+    EngineAttached: Registry._apply_attached,
+    EngineDetached: Registry._apply_detached,
+    DaemonStarted: Registry._apply_nothing,
+    Refused: Registry._apply_nothing,
+}

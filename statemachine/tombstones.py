@@ -1,0 +1,45 @@
+"""A bounded memory of released requests, so late messages are seen as stale."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+
+class Tombstones:
+    """request id -> highest released incarnation, oldest evicted first.
+
+    Bounded because a node serves requests forever; the bound only has to
+    outlast the longest a late message can wander (peer TTL plus deadlines).
+    """
+
+    __slots__ = ("_by_id", "limit")
+
+    def __init__(self, limit: int, items: Iterable[tuple[str, int]] = ()) -> None:
+        if limit < 1:
+            raise ValueError(f"tombstone limit must be >= 1, got {limit}")
+        self.limit = limit
+        self._by_id: dict[str, int] = {}
+        for request_id, incarnation in items:
+            self.add(request_id, incarnation)
+
+    def add(self, request_id: str, incarnation: int) -> None:
+        previous = self._by_id.pop(request_id, None)
+        if previous is not None and previous > incarnation:
+            incarnation = previous
+        self._by_id[request_id] = incarnation
+        if len(self._by_id) > self.limit:
+            del self._by_id[next(iter(self._by_id))]
+
+    def covers(self, request_id: str, incarnation: int) -> bool:
+        """True if this incarnation (or a later one) of the id was released."""
+        released = self._by_id.get(request_id)
+        return released is not None and incarnation <= released
+
+    def get(self, request_id: str) -> int | None:
+        return self._by_id.get(request_id)
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
+        return iter(self._by_id.items())
