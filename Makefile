@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/kvpushd demo $(ARGS)
+	$(BIN)/kvpushd --help
 
 test: $(STAMP)
 	$(BIN)/ruff check .
@@ -30,7 +30,8 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 bench: $(STAMP)
-	$(BIN)/python bench/journal_bench.py
+	$(BIN)/python -m bench.journal_bench
+	$(BIN)/python -m bench.core_bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -16,9 +16,9 @@ rather than its state:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 
@@ -42,8 +42,15 @@ PUSHER, RECEIVER = Role.PUSHER, Role.RECEIVER
 REGISTERED, TRIMMED, WRITING = State.REGISTERED, State.TRIMMED, State.WRITING
 DONE, RELEASED, FAILED = State.DONE, State.RELEASED, State.FAILED
 
+
+def _frozen(
+    table: dict[tuple[Role, State], dict[type, State]],
+) -> Mapping[tuple[Role, State], Mapping[type, State]]:
+    return MappingProxyType({key: MappingProxyType(row) for key, row in table.items()})
+
+
 # fmt: off
-TRANSITIONS: Final[Mapping[tuple[Role, State], Mapping[type, State]]] = MappingProxyType({
+TRANSITIONS: Final = _frozen({
     # role      state          event             -> next state
     (PUSHER,   REGISTERED): {PeerRegistered:   REGISTERED,
                              KvReady:          REGISTERED,
@@ -88,75 +95,117 @@ def allowed_events(role: Role, state: State) -> frozenset[type]:
     return frozenset(TRANSITIONS.get((role, state), {}))
 
 
-def _guard(record: RequestRecord, event: RequestEvent) -> str | None:
-    """Return why a table-allowed event is still refused, or None."""
-    kind = type(event)
-    if kind is WriteStarted and record.role is PUSHER and not record.kv_ready:
-        return "the prefill engine has not said the KV is ready"
-    if kind is Released and is_quarantined(record):
+def _release_guard(record: RequestRecord) -> str | None:
+    if is_quarantined(record):
         return "a write may still be in flight; the release must be deferred"
-    if kind is ReleaseDeferred and not is_quarantined(record):
-        return "nothing is in flight; the release must not be deferred"
-    if kind is ReleaseDeferred and record.release_pending:
-        return "a release is already deferred"
-    if kind is Trimmed and record.remote_blocks is None:
-        return "the receiver's registration has not arrived"
-    if kind is PeerRegistered and record.remote_blocks is not None:
-        return "the receiver's registration already arrived"
-    if kind is KvReady and record.kv_ready:
-        return "the KV was already reported ready"
     return None
 
 
-def _changes(record: RequestRecord, event: RequestEvent) -> dict[str, object]:
-    """Fields besides state/deadline that an event sets on the record."""
-    match event:
-        case KvReady():
-            return {"kv_ready": True}
-        case PeerRegistered(engine_id=engine, blocks=blocks, per_logical=ratio):
-            return {"remote_engine": engine, "remote_blocks": blocks, "remote_per_logical": ratio}
-        case Trimmed(src=src, dst=dst):
-            return {"src": src, "dst": dst}
-        case WriteDone():
-            return {"settled": True}
-        case Failed(reason=reason, message=message, settled=settled):
-            return {"reason": reason, "message": message, "settled": record.settled or settled}
-        case PeerSettled():
-            return {"settled": True}
-        case ReleaseDeferred():
-            return {"release_pending": True}
-        case _:
-            return {}
+def _defer_guard(record: RequestRecord) -> str | None:
+    if not is_quarantined(record):
+        return "nothing is in flight; the release must not be deferred"
+    if record.release_pending:
+        return "a release is already deferred"
+    return None
+
+
+# Conditions on a record's flags that refuse an event the table allows:
+# event type -> (record -> why it is refused, or None).
+GUARDS: Final[Mapping[type, Callable[[RequestRecord], str | None]]] = MappingProxyType(
+    {
+        WriteStarted: lambda r: (
+            "the prefill engine has not said the KV is ready"
+            if r.role is PUSHER and not r.kv_ready
+            else None
+        ),
+        Released: _release_guard,
+        ReleaseDeferred: _defer_guard,
+        Trimmed: lambda r: (
+            "the receiver's registration has not arrived" if r.remote_blocks is None else None
+        ),
+        PeerRegistered: lambda r: (
+            "the receiver's registration already arrived" if r.remote_blocks is not None else None
+        ),
+        KvReady: lambda r: "the KV was already reported ready" if r.kv_ready else None,
+    }
+)
+
+
+# What each event sets on the record besides state and deadline.
+_CHANGES: Final[Mapping[type, Callable[[RequestRecord, Any], dict[str, Any]]]] = {
+    KvReady: lambda record, event: {"kv_ready": True},
+    PeerRegistered: lambda record, event: {
+        "remote_engine": event.engine_id,
+        "remote_blocks": event.blocks,
+        "remote_per_logical": event.per_logical,
+    },
+    Trimmed: lambda record, event: {"src": event.src, "dst": event.dst},
+    WriteDone: lambda record, event: {"settled": True},
+    Failed: lambda record, event: {
+        "reason": event.reason,
+        "message": event.message,
+        "settled": record.settled or event.settled,
+    },
+    PeerSettled: lambda record, event: {"settled": True},
+    ReleaseDeferred: lambda record, event: {"release_pending": True},
+}
+
+# The table flattened for the hot path: (role, state, event type) -> next state.
+_NEXT: Final[dict[tuple[Role, State, type], State]] = {
+    (role, state, kind): nxt
+    for (role, state), row in TRANSITIONS.items()
+    for kind, nxt in row.items()
+}
+
+
+_HOT_GUARDS: Final = dict(GUARDS)
+
+
+def deadline_seconds(deadlines: Deadlines) -> dict[State, float]:
+    """Per-state deadline lengths as a plain dict, for the hot path."""
+    return {state: deadlines.for_state(state) for state in State if state not in TERMINAL}
 
 
 def apply(
-    record: RequestRecord, event: RequestEvent, ts: float, deadlines: Deadlines
+    record: RequestRecord,
+    event: RequestEvent,
+    ts: float,
+    deadlines: Deadlines | Mapping[State, float],
 ) -> RequestRecord:
     """Return the record after ``event`` (journaled at ``ts``).
 
     Raises :class:`IllegalTransition` if the table or a guard refuses; the
     input record is immutable and therefore unchanged either way.
+    ``deadlines`` may be given pre-flattened by :func:`deadline_seconds`.
     """
-    if (event.request_id, event.incarnation) != (record.request_id, record.incarnation):
+    if event.request_id != record.request_id or event.incarnation != record.incarnation:
         raise IllegalTransition(
             f"event for {event.request_id}#{event.incarnation} applied to "
             f"{record.request_id}#{record.incarnation}"
         )
-    nxt = TRANSITIONS.get((record.role, record.state), {}).get(type(event))
+    kind = type(event)
+    nxt = _NEXT.get((record.role, record.state, kind))
     if nxt is None:
         raise IllegalTransition(
             f"{record.role.value} request {record.request_id}#{record.incarnation}: "
-            f"{type(event).__name__} is not allowed in state {record.state.value}"
+            f"{kind.__name__} is not allowed in state {record.state.value}"
         )
-    why = _guard(record, event)
-    if why is not None:
-        raise IllegalTransition(
-            f"{record.role.value} request {record.request_id}#{record.incarnation}: "
-            f"{type(event).__name__} refused in state {record.state.value}: {why}"
-        )
-    changes = _changes(record, event)
+    guard = _HOT_GUARDS.get(kind)
+    if guard is not None:
+        why = guard(record)
+        if why is not None:
+            raise IllegalTransition(
+                f"{record.role.value} request {record.request_id}#{record.incarnation}: "
+                f"{kind.__name__} refused in state {record.state.value}: {why}"
+            )
+    change = _CHANGES.get(kind)
+    changes = change(record, event) if change is not None else {}
     if nxt is not record.state:
         changes["state"] = nxt
         changes["entered_at"] = ts
-        changes["deadline"] = ts + deadlines.for_state(nxt) if nxt not in TERMINAL else ts
+        if nxt in TERMINAL:
+            changes["deadline"] = ts
+        else:
+            seconds = deadline_seconds(deadlines) if isinstance(deadlines, Deadlines) else deadlines
+            changes["deadline"] = ts + seconds[nxt]
     return msgspec.structs.replace(record, **changes)

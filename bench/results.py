@@ -1,0 +1,19 @@
+"""Keeps bench/RESULTS.md: one section per benchmark, replaced on each run."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+
+
+def write_section(title: str, context: str, body: str) -> None:
+    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+    section = f"## {title}\n\n{context}\n\n{body.rstrip()}\n"
+    pattern = re.compile(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section + "\n", text)
+    else:
+        text = text.rstrip() + "\n\n" + section
+    RESULTS.write_text(text.rstrip() + "\n")
