@@ -99,7 +99,6 @@ Writer rules
 
 from __future__ import annotations
 
-import enum
 import errno
 import fcntl
 import os
@@ -115,6 +114,8 @@ from types import TracebackType
 from typing import NamedTuple, NoReturn, Self, TypeAlias
 
 from crc32c import crc32c
+
+from schemas.config import FsyncPolicy
 
 __all__ = [
     "DEFAULT_SEGMENT_BYTES",
@@ -204,14 +205,6 @@ class JournalLocked(JournalError):
 
 class JournalClosed(JournalError):
     """The journal was closed."""
-
-
-class FsyncPolicy(enum.StrEnum):
-    """When :class:`Journal` makes appended records durable."""
-
-    ALWAYS = "always"  # write + fdatasync inside every append()
-    BATCH = "batch"  # write + fdatasync per commit() (group commit)
-    NEVER = "never"  # write per commit(); durability left to the OS
 
 
 class Snapshot(NamedTuple):

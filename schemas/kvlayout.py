@@ -1,0 +1,92 @@
+"""How an engine's KV memory is laid out: regions, layers, groups.
+
+Block ``b`` of layer ``l`` of group ``g`` lives at
+``region(layers[l].region).base + layers[l].offset + b * block_bytes`` and is
+``block_bytes`` long: blocks of one layer are contiguous, so runs of
+consecutive block ids merge into one NIXL descriptor.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from schemas.layout import EngineLayout, GroupKind, GroupLayout
+
+
+class MemoryKind(enum.StrEnum):
+    DRAM = "dram"
+    VRAM = "vram"
+
+
+class RegionSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A memory region the engine shares with its daemon.
+
+    DRAM: ``path`` is a POSIX shared-memory file under /dev/shm.
+    VRAM: ``ipc_handle`` is a CUDA IPC handle for ``device``.
+    """
+
+    name: str
+    size: int
+    memory: MemoryKind = MemoryKind.DRAM
+    path: str = ""
+    device: int = 0
+    ipc_handle: bytes = b""
+
+
+class LayerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    region: str
+    offset: int = 0
+
+
+class GroupSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    kind: GroupKind
+    num_blocks: int
+    block_bytes: int
+    layers: tuple[LayerSpec, ...]
+    per_logical: int = 1
+
+
+class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An engine's full KV layout, as it registers with its daemon."""
+
+    engine_id: str
+    groups: tuple[GroupSpec, ...]
+    regions: tuple[RegionSpec, ...]
+
+    def layout(self) -> EngineLayout:
+        """The part of the layout the core reasons about."""
+        return EngineLayout(
+            self.engine_id,
+            tuple(GroupLayout(g.kind, g.num_blocks, g.per_logical) for g in self.groups),
+        )
+
+
+class RemoteGroup(msgspec.Struct, frozen=True):
+    """A group as a peer daemon sees it: addresses in that daemon's mapping."""
+
+    kind: GroupKind
+    num_blocks: int
+    block_bytes: int
+    layer_addrs: tuple[int, ...]
+    per_logical: int = 1
+
+
+class RemoteEngine(msgspec.Struct, frozen=True):
+    engine_id: str
+    memory: MemoryKind
+    device: int
+    groups: tuple[RemoteGroup, ...]
+
+
+def model_signature(groups: tuple[GroupSpec, ...] | tuple[RemoteGroup, ...]) -> tuple:
+    """What two engines must agree on for one to push into the other."""
+    return tuple(
+        (
+            g.kind.value,
+            g.block_bytes,
+            len(g.layers) if isinstance(g, GroupSpec) else len(g.layer_addrs),
+        )
+        for g in groups
+    )

@@ -1,0 +1,173 @@
+"""Engine RPC: what engines send their node's daemon, and what they hear back.
+
+Frames are a 4-byte big-endian length and a msgpack body. Requests are one
+tagged union (tag field ``op``); every request carries an ``id`` and gets
+exactly one reply carrying the same ``id``. The daemon also pushes events,
+unprompted, to the connection that registered the engine. Replies and events
+share one tagged union (tag field ``kind``) so a client decodes every frame
+with one decoder.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+
+from schemas.kvlayout import GroupSpec, RegionSpec
+from schemas.layout import Role
+from schemas.reasons import Reason
+
+PROTOCOL_VERSION: Final = 1
+MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
+
+
+class _Request(msgspec.Struct, frozen=True, tag_field="op", forbid_unknown_fields=True):
+    id: int
+
+
+class Hello(_Request, frozen=True, tag="hello"):
+    client: str = ""
+    protocol: int = PROTOCOL_VERSION
+
+
+class RegisterEngine(_Request, frozen=True, tag="register_engine"):
+    """Declare an engine's KV layout and share its memory with the daemon.
+
+    ``offload`` optionally names a region of ``offload_slots`` equal slots the
+    daemon hands out per request and zeroes on release.
+    """
+
+    engine_id: str
+    groups: tuple[GroupSpec, ...]
+    regions: tuple[RegionSpec, ...]
+    offload: RegionSpec | None = None
+    offload_slots: int = 0
+
+
+class RegisterRequest(_Request, frozen=True, tag="register_request"):
+    """Register one request; ``blocks`` are logical block ids per group.
+
+    Receiver (decode side): the blocks still to fill, and ``peer`` names the
+    prefill node. Pusher (prefill side): the full sequence's blocks.
+    """
+
+    engine_id: str
+    request_id: str
+    role: Role
+    blocks: tuple[tuple[int, ...], ...]
+    incarnation: int = 1
+    peer: str = ""
+    offload_slots: int = 0
+
+
+class KvReady(_Request, frozen=True, tag="kv_ready"):
+    request_id: str
+    incarnation: int = 1
+
+
+class Release(_Request, frozen=True, tag="release"):
+    request_id: str
+    incarnation: int = 1
+
+
+class Abort(_Request, frozen=True, tag="abort"):
+    request_id: str
+    incarnation: int = 1
+
+
+class Status(_Request, frozen=True, tag="status"):
+    pass
+
+
+Request = Hello | RegisterEngine | RegisterRequest | KvReady | Release | Abort | Status
+
+
+# ---------------------------------------------------------------- replies
+
+
+class _Reply(msgspec.Struct, frozen=True, tag_field="kind"):
+    id: int
+
+
+class Ok(_Reply, frozen=True, tag="ok"):
+    pass
+
+
+class HelloOk(_Reply, frozen=True, tag="hello_ok"):
+    node: str
+    protocol: int
+    version: str
+
+
+class RequestAccepted(_Reply, frozen=True, tag="request_accepted"):
+    """Reply to register_request; ``state`` is where the request now is."""
+
+    state: str
+    offload_slots: tuple[int, ...] = ()
+
+
+class Deferred(_Reply, frozen=True, tag="deferred"):
+    """A release was deferred: a write may still be in flight."""
+
+    message: str
+
+
+class StatusReply(_Reply, frozen=True, tag="status_reply"):
+    status: dict
+
+
+class Error(_Reply, frozen=True, tag="error"):
+    """A refusal or a malformed request; ``code`` is stable, ``message`` is for people.
+
+    ``code`` is a :class:`Reason` value, or one of the protocol codes below.
+    """
+
+    code: str
+    message: str
+
+
+# Protocol error codes (besides Reason values).
+BAD_FRAME: Final = "bad_frame"
+BAD_REQUEST: Final = "bad_request"
+FRAME_TOO_LARGE: Final = "frame_too_large"
+NOT_REGISTERED: Final = "not_registered"
+BAD_REGION: Final = "bad_region"
+INTERNAL: Final = "internal"
+SHUTTING_DOWN: Final = "shutting_down"
+
+
+# ----------------------------------------------------------------- events
+
+
+class KvArrived(msgspec.Struct, frozen=True, tag_field="kind", tag="kv_arrived"):
+    """Decode side: the request's KV is in its blocks."""
+
+    request_id: str
+    incarnation: int
+
+
+class BlocksFreeable(msgspec.Struct, frozen=True, tag_field="kind", tag="blocks_freeable"):
+    """Prefill side: the write is over; the source blocks may be freed."""
+
+    request_id: str
+    incarnation: int
+
+
+class RequestFailed(msgspec.Struct, frozen=True, tag_field="kind", tag="request_failed"):
+    request_id: str
+    incarnation: int
+    reason: Reason
+    message: str
+
+
+class Released(msgspec.Struct, frozen=True, tag_field="kind", tag="released"):
+    """A deferred release was carried out; the blocks are the engine's again."""
+
+    request_id: str
+    incarnation: int
+
+
+Reply = Ok | HelloOk | RequestAccepted | Deferred | StatusReply | Error
+Event = KvArrived | BlocksFreeable | RequestFailed | Released
+ServerMessage = Reply | Event
