@@ -18,6 +18,7 @@ from schemas.events import Record
 EXIT_CLEAN = 0
 EXIT_TORN_TAIL = 1
 EXIT_CORRUPT = 2
+EXIT_CONFIG = 2  # `run`: the configuration is unusable
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -138,12 +139,40 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return EXIT_CLEAN
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from daemon.config import ConfigError, load_config
+    from daemon.logs import configure
+
+    overrides = {"node": args.node, "socket": args.socket, "log_level": args.log_level}
+    try:
+        config = load_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"kvpushd: invalid configuration: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.journal_dir:
+        config = msgspec.structs.replace(
+            config, journal=msgspec.structs.replace(config.journal, dir=args.journal_dir)
+        )
+    configure(config.log_level)
+    from daemon.service import run
+
+    return run(config)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvpushd",
         description="Push KV-cache blocks from prefill to decode engines with NIXL WRITEs.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run the daemon")
+    run.add_argument("--config", type=Path, help="TOML config file (defaults work without one)")
+    run.add_argument("--node", help="override the node name")
+    run.add_argument("--socket", help="override the engine socket path")
+    run.add_argument("--journal-dir", help="override the journal directory")
+    run.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    run.set_defaults(func=cmd_run)
 
     journal = sub.add_parser("journal", help="inspect a journal (directory or segment file)")
     jsub = journal.add_subparsers(dest="journal_command", required=True, metavar="ACTION")

@@ -107,7 +107,26 @@ def _replay(
     salvage: bool,
     on_record: Callable[[Record, object], None] | None,
 ) -> ReplayResult:
-    contents, records = iter_records(path, salvage=salvage)
+    return fold_contents(
+        read_journal(path, salvage=salvage),
+        deadlines=deadlines,
+        tombstone_limit=tombstone_limit,
+        salvage=salvage,
+        on_record=on_record,
+    )
+
+
+def fold_contents(
+    contents: JournalContents,
+    *,
+    deadlines: Deadlines | None = None,
+    tombstone_limit: int = DEFAULT_TOMBSTONE_LIMIT,
+    salvage: bool = False,
+    on_record: Callable[[Record, object], None] | None = None,
+) -> ReplayResult:
+    """Fold already-read journal contents (the daemon's start-up path)."""
+    exact = contents.seqs_exact
+    records = (_decode(seq, payload, exact) for seq, payload in contents.records)
     registry = Registry(deadlines=deadlines, tombstone_limit=tombstone_limit)
     result = ReplayResult(registry=registry)
     if contents.snapshot is not None:

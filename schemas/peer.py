@@ -56,9 +56,14 @@ class Hello(_Peer, frozen=True, tag="hello"):
 
 
 class Engines(_Peer, frozen=True, tag="engines"):
-    """An engine registered or changed after the link came up."""
+    """An engine registered or changed after the link came up.
+
+    Carries the agent metadata again: NIXL's metadata names the registered
+    memory, so a peer must reload it before it can prepare the new engine.
+    """
 
     engines: tuple[RemoteEngine, ...]
+    agent_metadata: bytes
 
 
 class Goodbye(_Peer, frozen=True, tag="goodbye"):

@@ -135,6 +135,8 @@ GUARDS: Final[Mapping[type, Callable[[RequestRecord], str | None]]] = MappingPro
 _CHANGES: Final[Mapping[type, Callable[[RequestRecord, Any], dict[str, Any]]]] = {
     KvReady: lambda record, event: {"kv_ready": True},
     PeerRegistered: lambda record, event: {
+        # The prefill engine need not name its peer: the receiver's daemon did.
+        "peer": event.peer,
         "remote_engine": event.engine_id,
         "remote_blocks": event.blocks,
         "remote_per_logical": event.per_logical,

@@ -1,0 +1,215 @@
+"""The engine RPC server: a Unix socket, one session per engine connection.
+
+Every request gets exactly one reply with its id. Malformed input gets an
+``Error`` reply (or, when the stream itself can no longer be trusted, a
+closed connection); none of it reaches the core, and none of it stops the
+server serving other connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+
+from daemon.framing import EmptyFrame, FrameEncoder, FrameTooLarge, read_frame
+from daemon.memory import RegionError
+from schemas import rpc
+from statemachine import Refusal
+
+log = structlog.get_logger("kvpushd.rpc")
+
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end (SO_PEERCRED)."""
+    data = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
+    return _CRED.unpack(data)
+
+
+class Session:
+    """One engine connection."""
+
+    def __init__(self, writer: asyncio.StreamWriter, pid: int, uid: int, gid: int) -> None:
+        self.writer = writer
+        self.pid, self.uid, self.gid = pid, uid, gid
+        self._encoder = FrameEncoder()
+        self.closed = False
+
+    def send(self, message: Any) -> None:
+        if self.closed or self.writer.is_closing():
+            return
+        self.writer.write(self._encoder.encode(message))
+
+    send_event = send
+
+    def close(self) -> None:
+        self.closed = True
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+
+Handler = Callable[[Session, Any], Awaitable[rpc.Reply]]
+
+
+class EngineServer:
+    def __init__(
+        self,
+        path: str,
+        node: Any,
+        *,
+        max_frame_bytes: int,
+        allowed_uids: tuple[int, ...] = (),
+        allowed_gids: tuple[int, ...] = (),
+    ) -> None:
+        self.path = Path(path)
+        self.node = node
+        self.max_frame_bytes = max_frame_bytes
+        self.allowed_uids = set(allowed_uids) or {os.getuid(), 0}
+        self.allowed_gids = set(allowed_gids)
+        self.sessions: set[Session] = set()
+        self._server: asyncio.AbstractServer | None = None
+        self._decoder = msgspec.msgpack.Decoder(rpc.Request)
+        self._handlers: dict[type, Handler] = {
+            rpc.Hello: self._hello,
+            rpc.RegisterEngine: node.rpc_register_engine,
+            rpc.RegisterRequest: node.rpc_register_request,
+            rpc.KvReady: node.rpc_kv_ready,
+            rpc.Release: node.rpc_release,
+            rpc.Abort: node.rpc_abort,
+            rpc.Status: self._status,
+        }
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        self._server = await asyncio.start_unix_server(
+            self._serve, path=str(self.path), limit=self.max_frame_bytes + 64
+        )
+        # DESIGN: the socket is mode 0660; who may connect is the group's business.
+        os.chmod(self.path, 0o660)
+
+    def stop_accepting(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    async def close(self) -> None:
+        self.stop_accepting()
+        # Closing the transports ends each session's read loop cleanly;
+        # cancelling the handler tasks would make asyncio log their
+        # cancellation as an error.
+        for session in list(self.sessions):
+            session.close()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=2.0)
+        for task in list(self._tasks):
+            task.cancel()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    def _allowed(self, uid: int, gid: int) -> bool:
+        return uid in self.allowed_uids or gid in self.allowed_gids
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)  # type: ignore[arg-type]
+        sock = writer.get_extra_info("socket")
+        pid, uid, gid = peer_credentials(sock)
+        session = Session(writer, pid, uid, gid)
+        clog = log.bind(node=self.node.config.node, peer_pid=pid, peer_uid=uid)
+        try:
+            if not self._allowed(uid, gid):
+                clog.warning("engine connection refused: credentials not allowed", gid=gid)
+                session.send(
+                    rpc.Error(
+                        0, "permission_denied", f"uid {uid} / gid {gid} may not use this daemon"
+                    )
+                )
+                await writer.drain()
+                return
+            self.sessions.add(session)
+            await self._loop(reader, session, clog)
+        finally:
+            self.sessions.discard(session)
+            self.node.engine_disconnected(session)
+            session.close()
+            self._tasks.discard(task)  # type: ignore[arg-type]
+
+    async def _loop(self, reader: asyncio.StreamReader, session: Session, clog: Any) -> None:
+        while True:
+            try:
+                body = await read_frame(reader, self.max_frame_bytes)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            except FrameTooLarge as exc:
+                # The stream cannot be resynchronised without reading the body.
+                clog.warning("frame too large; closing", error=str(exc))
+                session.send(rpc.Error(0, rpc.FRAME_TOO_LARGE, str(exc)))
+                return
+            except EmptyFrame as exc:
+                session.send(rpc.Error(0, rpc.BAD_FRAME, str(exc)))
+                continue
+            try:
+                request = self._decoder.decode(body)
+            except msgspec.ValidationError as exc:
+                session.send(rpc.Error(_request_id(body), rpc.BAD_REQUEST, str(exc)))
+                continue
+            except msgspec.DecodeError as exc:
+                session.send(rpc.Error(0, rpc.BAD_FRAME, f"undecodable body: {exc}"))
+                continue
+            session.send(await self._dispatch(session, request, clog))
+
+    async def _dispatch(self, session: Session, request: Any, clog: Any) -> rpc.Reply:
+        handler = self._handlers[type(request)]
+        try:
+            return await handler(session, request)
+        except Refusal as refusal:
+            return rpc.Error(request.id, refusal.reason.value, refusal.message)
+        except RegionError as exc:
+            return rpc.Error(request.id, rpc.BAD_REGION, str(exc))
+        except Exception as exc:
+            if getattr(self.node, "fatal", None) is not None:
+                return rpc.Error(request.id, rpc.SHUTTING_DOWN, "the journal failed")
+            clog.exception("request failed", op=type(request).__name__)
+            return rpc.Error(request.id, rpc.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    async def _hello(self, session: Session, req: rpc.Hello) -> rpc.Reply:
+        if req.protocol != rpc.PROTOCOL_VERSION:
+            return rpc.Error(
+                req.id,
+                rpc.BAD_REQUEST,
+                f"protocol {req.protocol} not supported, this daemon speaks {rpc.PROTOCOL_VERSION}",
+            )
+        return rpc.HelloOk(req.id, self.node.config.node, rpc.PROTOCOL_VERSION, _version())
+
+    async def _status(self, session: Session, req: rpc.Status) -> rpc.Reply:
+        return rpc.StatusReply(req.id, self.node.status())
+
+
+def _version() -> str:
+    from daemon.node import VERSION
+
+    return VERSION
+
+
+def _request_id(body: bytes) -> int:
+    """Best effort: the id of a body that decodes as msgpack but not as a request."""
+    try:
+        raw = msgspec.msgpack.decode(body)
+    except msgspec.DecodeError:
+        return 0
+    if isinstance(raw, dict) and isinstance(raw.get("id"), int):
+        return raw["id"]
+    return 0

@@ -1,0 +1,264 @@
+"""Engine KV memory as the daemon sees it: mapped shared-memory regions, offload slots.
+
+An engine hands its DRAM KV cache to the daemon as a POSIX shared-memory file
+under /dev/shm. The daemon maps that file read-write and shared, so the
+addresses it registers with NIXL are its own mapping of the engine's pages:
+bytes a peer writes there are seen by the engine, and nothing is copied.
+
+The path comes from an engine over the RPC socket, so it is untrusted: it must
+resolve to a regular file under /dev/shm (no symlink escapes), owned by the
+engine's uid when that is known, and exactly as large as the engine says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import mmap
+import os
+import stat
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Final
+
+import numpy as np
+
+from schemas.kvlayout import MemoryKind, RegionSpec
+
+SHM_ROOT: Final = "/dev/shm"
+
+
+class RegionError(Exception):
+    """A region or offload request was refused; ``code`` is stable for callers and replies."""
+
+    def __init__(self, message: str, *, code: str = "bad_region") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _shm_root() -> str:
+    # /dev/shm is itself a symlink on some distributions (-> /run/shm): compare
+    # resolved paths on both sides.
+    return os.path.realpath(SHM_ROOT)
+
+
+def resolve_shm_path(path: str) -> str:
+    """The real path of ``path`` if it lies (directly or indirectly) under /dev/shm.
+
+    Refuses empty paths, relative paths and anything whose real path leaves
+    /dev/shm, which covers symlinks pointing elsewhere and ``..`` tricks.
+    """
+    if not path:
+        raise RegionError("DRAM region has no path")
+    if not os.path.isabs(path):
+        raise RegionError(f"region path {path!r} is not absolute")
+    real = os.path.realpath(path)
+    root = _shm_root()
+    if real == root or os.path.commonpath([real, root]) != root:
+        raise RegionError(f"region path {path!r} resolves to {real!r}, which is not under {root}")
+    return real
+
+
+class MappedRegion:
+    """One engine region mapped read-write and shared into this process.
+
+    ``base`` is the address of byte 0 in this process; it stays valid until
+    :meth:`close`. Callers must deregister the region from NIXL (and fence any
+    write that could still land in it) before closing: after the unmap, a
+    remote write to a stale registration could hit whatever is mapped there
+    next.
+    """
+
+    def __init__(self, name: str, mapping: mmap.mmap, path: str) -> None:
+        self.name = name
+        self.path = path
+        self.size = len(mapping)
+        self.memory = MemoryKind.DRAM
+        self.device = 0
+        self._mmap: mmap.mmap | None = mapping
+        # numpy over the mmap gives a stable, inspectable base address; the
+        # mapping never moves, so ``base`` is fixed for the region's life.
+        self._array: np.ndarray | None = np.frombuffer(mapping, dtype=np.uint8)
+        self.base: int = int(self._array.ctypes.data)
+
+    @property
+    def closed(self) -> bool:
+        return self._array is None
+
+    def view(self) -> np.ndarray:
+        """A writable uint8 array over the whole region."""
+        if self._array is None:
+            raise RegionError(f"region {self.name!r} is closed")
+        return self._array
+
+    def close(self) -> None:
+        """Drop this object's hold on the mapping; idempotent.
+
+        If views handed out by :meth:`view` are still alive, the unmap is left
+        to the garbage collector (mmap refuses to close under live exports),
+        which is memory-safe: Python code can never touch an unmapped page.
+        """
+        if self._mmap is None:
+            return
+        mapping, self._mmap, self._array = self._mmap, None, None
+        # BufferError: a view is still exported; the last one to go unmaps.
+        with contextlib.suppress(BufferError):
+            mapping.close()
+
+    def __enter__(self) -> MappedRegion:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"base=0x{self.base:x}"
+        return f"MappedRegion({self.name!r}, size={self.size}, {state})"
+
+
+def _open_checked(real: str, spec: RegionSpec, owner_uid: int | None) -> int:
+    # O_NOFOLLOW: the last component cannot be swapped for a symlink between
+    # realpath() and open(); the fstat below checks the file actually opened.
+    try:
+        fd = os.open(real, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise RegionError(f"region {spec.name!r}: {spec.path!r} does not exist") from None
+    except OSError as exc:
+        raise RegionError(f"region {spec.name!r}: cannot open {spec.path!r}: {exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RegionError(f"region {spec.name!r}: {spec.path!r} is not a regular file")
+        if owner_uid is not None and st.st_uid != owner_uid:
+            raise RegionError(
+                f"region {spec.name!r}: {spec.path!r} is owned by uid {st.st_uid},"
+                f" not by the engine's uid {owner_uid}"
+            )
+        if st.st_size != spec.size:
+            raise RegionError(
+                f"region {spec.name!r}: {spec.path!r} is {st.st_size} bytes,"
+                f" the engine declared {spec.size}"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def map_dram_region(spec: RegionSpec, *, owner_uid: int | None) -> MappedRegion:
+    """Validate and map an engine's shared-memory region read-write, shared."""
+    if spec.memory is not MemoryKind.DRAM:
+        raise RegionError(f"region {spec.name!r} is {spec.memory.value}, not DRAM")
+    if spec.size <= 0:
+        raise RegionError(f"region {spec.name!r} has size {spec.size}; it must be positive")
+    real = resolve_shm_path(spec.path)
+    fd = _open_checked(real, spec, owner_uid)
+    try:
+        mapping = mmap.mmap(fd, spec.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        raise RegionError(f"region {spec.name!r}: cannot map {spec.path!r}: {exc}") from None
+    finally:
+        os.close(fd)  # the mapping keeps the pages; the descriptor is not needed
+    return MappedRegion(spec.name, mapping, real)
+
+
+def create_shm_file(path: str, size: int, *, mode: int = 0o600) -> RegionSpec:
+    """Create a new zero-filled shared-memory file (daemon offload buffers, tests, benches).
+
+    Refuses an existing file (O_EXCL) so two owners never share one by accident.
+    """
+    real = resolve_shm_path(path)
+    if size <= 0:
+        raise RegionError(f"shared-memory file size must be positive, got {size}")
+    fd = os.open(real, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        os.unlink(real)
+        raise
+    os.close(fd)
+    return RegionSpec(name=Path(real).name, size=size, memory=MemoryKind.DRAM, path=real)
+
+
+class OffloadPool:
+    """Fixed-size slots over one mapped region, handed out to requests.
+
+    Invariant 5 of the design: a released slot is zeroed before it goes back
+    on the free list, so no request can read another's residue. Slots are
+    handed out lowest index first, which keeps allocation deterministic.
+    Not thread-safe: use it from the event loop only.
+    """
+
+    def __init__(self, region: MappedRegion, n_slots: int, *, zero_now: bool = True) -> None:
+        if n_slots <= 0:
+            raise RegionError(f"offload pool needs at least one slot, got {n_slots}")
+        if region.size % n_slots:
+            raise RegionError(
+                f"region {region.name!r} of {region.size} bytes does not split into"
+                f" {n_slots} equal slots"
+            )
+        self.region = region
+        self.n_slots = n_slots
+        self.slot_bytes = region.size // n_slots
+        self._free: list[int] = list(range(n_slots))  # a heap; sorted is a valid heap
+        self._used: set[int] = set()
+        if zero_now:
+            # A mapped file may hold a previous run's bytes: start from zero too.
+            region.view().fill(0)
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_count(self) -> int:
+        return len(self._used)
+
+    def acquire(self, n: int) -> tuple[int, ...]:
+        """Take ``n`` free slots; all or nothing."""
+        if n < 0:
+            raise RegionError(f"cannot acquire {n} slots", code="bad_slot")
+        if n > len(self._free):
+            raise RegionError(
+                f"offload pool {self.region.name!r}: {n} slots wanted, {len(self._free)} free",
+                code="offload_exhausted",
+            )
+        slots = tuple(heapq.heappop(self._free) for _ in range(n))
+        self._used.update(slots)
+        return slots
+
+    def release(self, slots: Iterable[int]) -> None:
+        """Zero the slots and put them back; all or nothing.
+
+        Every slot must be currently acquired and listed once, else nothing
+        is released and RegionError(code="bad_slot") is raised.
+        """
+        slots = tuple(slots)
+        if len(set(slots)) != len(slots):
+            raise RegionError(f"slot listed twice in release: {slots}", code="bad_slot")
+        stray = [s for s in slots if s not in self._used]
+        if stray:
+            raise RegionError(f"slots {stray} are not acquired", code="bad_slot")
+        for slot in slots:
+            self.slot_view(slot).fill(0)
+            self._used.remove(slot)
+            heapq.heappush(self._free, slot)
+
+    def slot_view(self, slot: int) -> np.ndarray:
+        """A writable uint8 array over one slot."""
+        self._check_index(slot)
+        start = slot * self.slot_bytes
+        return self.region.view()[start : start + self.slot_bytes]
+
+    def slot_addr(self, slot: int) -> int:
+        """Address of the slot in this process (for NIXL descriptors)."""
+        self._check_index(slot)
+        return self.region.base + slot * self.slot_bytes
+
+    def _check_index(self, slot: int) -> None:
+        if not 0 <= slot < self.n_slots:
+            raise RegionError(
+                f"slot {slot} out of range 0..{self.n_slots - 1}",
+                code="bad_slot",
+            )

@@ -1,0 +1,910 @@
+"""Authenticated TCP peer link between two kvpushd daemons.
+
+Wire: the framing of :mod:`daemon.framing` (4-byte big-endian length, msgpack
+body) carrying the :data:`schemas.peer.PeerMessage` union.
+
+Connection lifecycle, both directions:
+
+1. Authentication (schemas/peer.py): the acceptor sends ``Challenge(node,
+   nonce_a)``; the dialer answers ``Answer(node, nonce_b, mac)`` with
+   ``mac = auth_mac(secret, b"dial", nonce_a, dialer, acceptor)``; the acceptor
+   checks it and replies ``Welcome(auth_mac(secret, b"accept", nonce_b,
+   acceptor, dialer))``, which the dialer checks. Nonces are 32 random bytes,
+   fresh per connection, so a recorded Answer or Welcome is useless on another
+   connection. The two labels differ, so one side's MAC can never be reflected
+   back as the other's.
+2. Both sides send ``Hello`` (built by the daemon's ``hello`` callback) and
+   read the peer's; the whole of 1 and 2 must finish within
+   ``handshake_timeout_s``.
+3. ``on_up(node, hello, link)``: the daemon may refuse the peering by raising
+   :class:`PeerRejected`; the link then says Goodbye and closes.
+4. Up: every received frame refreshes ``last_heard``; each side sends a
+   Heartbeat every ``heartbeat_s``; a link silent for ``peer_ttl_s`` (loop
+   time, never wall time) is closed. Other messages go to ``on_message``.
+5. Down: ``on_down(node, reason)`` exactly once for every link whose
+   ``on_up`` returned normally.
+
+Anything unexpected (a message out of order, a wrong MAC, a node name not
+configured, a protocol mismatch, a timeout, an oversized or undecodable frame,
+an unknown tag) closes that one connection with ``Goodbye(reason, message)``
+where the socket still allows it, and is logged; the manager keeps serving.
+
+Before authentication frames are limited to PREAUTH_FRAME_BYTES and at most
+MAX_PENDING_HANDSHAKES inbound connections may be authenticating at once, so
+an anonymous client cannot make the daemon buffer much or hold many tasks.
+
+One link per peer pair: only the node whose name sorts lower dials; the other
+only accepts (and refuses a dial from a node that sorts higher than itself).
+That makes duplicate links impossible without a tie-break protocol. A newer
+authenticated connection from a peer replaces an older one (the old one is
+closed with reason ``replaced``): the peer only dials when it has no link, so
+the older one is a half-open leftover of a peer that restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+import hmac
+import os
+import random
+import secrets
+import stat
+import struct
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Final, TypeVar
+
+import msgspec
+import structlog
+
+from daemon.framing import PREFIX_BYTES, EmptyFrame, FrameEncoder, FrameTooLarge, read_frame
+from schemas.config import PeerConfig
+from schemas.peer import (
+    PEER_PROTOCOL,
+    Answer,
+    Challenge,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    PeerMessage,
+    Welcome,
+)
+
+NONCE_BYTES: Final = 32
+DEFAULT_HANDSHAKE_TIMEOUT_S: Final = 5.0
+DEFAULT_BACKOFF_S: Final = (0.1, 2.0)
+# A link whose send buffer grows past this many frames' worth is a peer that
+# stopped reading: better to drop it (the TTL would, later) than to grow memory.
+_BUFFER_FRAMES: Final = 8
+# After close, how long buffered bytes (the Goodbye) may take to drain before
+# the socket is aborted; a peer that is not reading must not pin the fd.
+_CLOSE_GRACE_S: Final = 1.0
+_SHORT_SECRET_BYTES: Final = 16
+# Before authentication only Challenge/Answer/Welcome travel, all tiny: an
+# anonymous connection must not make us buffer max_frame_bytes.
+PREAUTH_FRAME_BYTES: Final = 16 * 1024
+# Inbound connections still authenticating; more are turned away at once, so
+# a flood of idle connections costs little until the handshake timeout.
+MAX_PENDING_HANDSHAKES: Final = 64
+
+_log = structlog.get_logger("kvpushd.peer")
+_DECODER: Final = msgspec.msgpack.Decoder(PeerMessage)
+_FIELD_LENGTH: Final = struct.Struct(">I")
+
+# The handshake messages: seeing one of these on an authenticated link is a
+# protocol error, never a message for the daemon.
+_HANDSHAKE_TYPES: Final = (Challenge, Answer, Welcome, Hello)
+_M = TypeVar("_M")
+
+
+class LinkReason(enum.StrEnum):
+    """Goodbye reasons this module sends and ``on_down`` reasons it reports.
+
+    ``on_down`` also reports ``"peer:" + reason`` when the peer said Goodbye,
+    and whatever reason the daemon passed to :meth:`PeerLink.close`.
+    """
+
+    AUTH_FAILED = "auth_failed"  # a MAC did not verify: the secrets differ
+    UNKNOWN_NODE = "unknown_node"  # the dialer is not a configured peer
+    UNEXPECTED_NODE = "unexpected_node"  # the acceptor is not the peer we dialed
+    WRONG_DIRECTION = "wrong_direction"  # the dialer's name sorts after ours
+    PROTOCOL_MISMATCH = "protocol_mismatch"
+    PROTOCOL_ERROR = "protocol_error"  # a valid message at the wrong time
+    HANDSHAKE_TIMEOUT = "handshake_timeout"
+    BAD_FRAME = "bad_frame"  # oversized, empty, undecodable, unknown tag
+    PEER_TTL = "peer_ttl"  # nothing heard for peer_ttl_s
+    PEER_CLOSED = "peer_closed"  # EOF or a socket error
+    REPLACED = "replaced"  # a newer connection from the same peer took over
+    BACKPRESSURE = "backpressure"  # the peer stopped reading
+    INTERNAL_ERROR = "internal_error"  # a daemon callback raised
+    SHUTDOWN = "shutdown"  # PeerManager.close()
+    BUSY = "busy"  # too many inbound connections authenticating at once
+
+
+class Direction(enum.StrEnum):
+    DIALED = "dialed"
+    ACCEPTED = "accepted"
+
+
+class PeerLinkError(Exception):
+    """Base of this module's errors."""
+
+
+class SecretFileError(PeerLinkError, ValueError):
+    """The shared secret file is missing, empty or readable by others."""
+
+
+class LinkAborted(PeerLinkError):
+    """A connection must end; ``notify_peer``: say Goodbye(reason, message) first."""
+
+    def __init__(self, reason: str, message: str, *, notify_peer: bool = True) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+        self.notify_peer = notify_peer
+
+
+class PeerAuthError(LinkAborted):
+    """The peer failed authentication (or we could not authenticate to it)."""
+
+
+class PeerRejected(PeerLinkError):
+    """Raised by the daemon's ``on_up`` to refuse a peering (e.g. incompatible layouts).
+
+    The link sends ``Goodbye(reason, message)`` and closes; ``on_down`` is not
+    called for it. A dialer backs off before trying again.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+
+
+OnUp = Callable[[str, Hello, "PeerLink"], None]
+OnMessage = Callable[[str, PeerMessage], None]
+OnDown = Callable[[str, str], None]
+
+
+# --------------------------------------------------------------------------
+# secret and MACs
+
+
+def load_secret(path: str | os.PathLike[str]) -> bytes:
+    """The shared secret in ``path``, trailing CR/LF stripped.
+
+    Refuses a file that group or other may access (the secret is the only
+    thing between the network and the peer link) and an empty secret.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SecretFileError(f"cannot open peer secret file {path}: {exc.strerror}") from exc
+    with os.fdopen(fd, "rb") as file:
+        # fstat the open file, not the path, so a swap between check and read
+        # cannot slip a different file in.
+        info = os.fstat(file.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise SecretFileError(f"peer secret file {path} is not a regular file")
+        mode = stat.S_IMODE(info.st_mode)
+        if mode & 0o077:
+            raise SecretFileError(
+                f"peer secret file {path} has mode {mode:04o}: group/other may access it; "
+                f"chmod 600 it"
+            )
+        secret = file.read().rstrip(b"\r\n")
+    if not secret:
+        raise SecretFileError(f"peer secret file {path} is empty")
+    if len(secret) < _SHORT_SECRET_BYTES:
+        _log.warning("peer_secret_short", path=str(path), length=len(secret))
+    return secret
+
+
+def auth_mac(secret: bytes, label: bytes, nonce: bytes, first: str, second: str) -> bytes:
+    """HMAC-SHA256 over label, nonce and two node names.
+
+    Each field is prefixed with its 4-byte big-endian length, so no two
+    different (label, nonce, first, second) tuples share an encoding: names
+    like ("ab", "c") and ("a", "bc") cannot be confused.
+    """
+    mac = hmac.new(secret, digestmod=hashlib.sha256)
+    for field in (label, nonce, first.encode(), second.encode()):
+        mac.update(_FIELD_LENGTH.pack(len(field)))
+        mac.update(field)
+    return mac.digest()
+
+
+def _name(node: str) -> str:
+    """A node name for logs and Goodbyes; an unauthenticated one may be huge."""
+    return repr(node if len(node) <= 64 else node[:64] + "...")
+
+
+def parse_host_port(address: str) -> tuple[str, int]:
+    """``"host:port"`` or ``"[v6]:port"`` -> (host, port); port 0 is allowed."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"expected host:port, got {address!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+# --------------------------------------------------------------------------
+# one TCP connection, before and after authentication
+
+
+class _Wire:
+    """Frames in and out of one connection; knows nothing of the protocol."""
+
+    __slots__ = ("_encoder", "_reader", "_writer", "max_frame_bytes", "peername", "recv_limit")
+
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_frame_bytes: int
+    ) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._encoder = FrameEncoder()
+        self.max_frame_bytes = max_frame_bytes
+        self.recv_limit = min(PREAUTH_FRAME_BYTES, max_frame_bytes)  # raised after auth
+        peer = writer.get_extra_info("peername")
+        self.peername = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+
+    @property
+    def closing(self) -> bool:
+        return self._writer.transport.is_closing()
+
+    @property
+    def buffered(self) -> int:
+        return self._writer.transport.get_write_buffer_size()
+
+    async def recv(self) -> PeerMessage:
+        """The next message; EOF and socket errors propagate as OSError/IncompleteReadError."""
+        try:
+            body = await read_frame(self._reader, self.recv_limit)
+        except (FrameTooLarge, EmptyFrame) as exc:
+            raise LinkAborted(LinkReason.BAD_FRAME, str(exc)) from exc
+        try:
+            return _DECODER.decode(body)
+        except msgspec.DecodeError as exc:  # ValidationError (unknown tag...) included
+            raise LinkAborted(LinkReason.BAD_FRAME, f"undecodable peer message: {exc}") from exc
+
+    def encode(self, message: PeerMessage) -> bytearray:
+        frame = self._encoder.encode(message)
+        if len(frame) - PREFIX_BYTES > self.max_frame_bytes:
+            # The peer would refuse it and drop the link: refuse it here instead.
+            raise FrameTooLarge(len(frame) - PREFIX_BYTES, self.max_frame_bytes)
+        return frame
+
+    def send(self, message: PeerMessage) -> bool:
+        frame = self.encode(message)
+        if self.closing:
+            return False
+        self._writer.write(frame)
+        return True
+
+    def close(self, goodbye: Goodbye | None) -> None:
+        """Say goodbye if asked and possible, then close; idempotent, never blocks."""
+        transport = self._writer.transport
+        if not transport.is_closing():
+            if goodbye is not None:
+                self._writer.write(self._encoder.encode(goodbye))
+            transport.close()
+            if transport.get_write_buffer_size():
+                asyncio.get_running_loop().call_later(_CLOSE_GRACE_S, transport.abort)
+        # Wake a reader blocked on this connection now, rather than when the
+        # transport gets round to connection_lost (which waits for the flush).
+        self._reader.feed_eof()
+
+
+async def _expect(wire: _Wire, kind: type[_M]) -> _M:
+    """The next message, which must be ``kind``; a Goodbye ends the handshake."""
+    message = await wire.recv()
+    if isinstance(message, Goodbye):
+        raise LinkAborted(f"peer:{message.reason}", message.message, notify_peer=False)
+    if not isinstance(message, kind):
+        raise LinkAborted(
+            LinkReason.PROTOCOL_ERROR,
+            f"expected {kind.__name__}, got {type(message).__name__}",
+        )
+    return message
+
+
+async def _accept_auth(
+    wire: _Wire, me: str, secret: bytes, check_dialer: Callable[[str], None]
+) -> str:
+    """Acceptor side of the handshake; returns the authenticated dialer's name."""
+    nonce_a = secrets.token_bytes(NONCE_BYTES)
+    wire.send(Challenge(node=me, nonce=nonce_a))
+    answer = await _expect(wire, Answer)
+    check_dialer(answer.node)
+    if len(answer.nonce) != NONCE_BYTES:
+        raise PeerAuthError(LinkReason.AUTH_FAILED, f"nonce must be {NONCE_BYTES} bytes")
+    expected = auth_mac(secret, b"dial", nonce_a, answer.node, me)
+    if not hmac.compare_digest(expected, answer.mac):
+        raise PeerAuthError(LinkReason.AUTH_FAILED, "bad MAC: the shared secrets differ")
+    wire.send(Welcome(mac=auth_mac(secret, b"accept", answer.nonce, me, answer.node)))
+    return answer.node
+
+
+async def _dial_auth(wire: _Wire, me: str, secret: bytes, expected_peer: str) -> None:
+    """Dialer side of the handshake; returns once the acceptor proved the secret."""
+    challenge = await _expect(wire, Challenge)
+    if challenge.protocol != PEER_PROTOCOL:
+        raise PeerAuthError(
+            LinkReason.PROTOCOL_MISMATCH,
+            f"peer speaks protocol {challenge.protocol}, we speak {PEER_PROTOCOL}",
+        )
+    if challenge.node != expected_peer:
+        raise PeerAuthError(
+            LinkReason.UNEXPECTED_NODE,
+            f"dialed {expected_peer!r} but {_name(challenge.node)} answered",
+        )
+    if len(challenge.nonce) != NONCE_BYTES:
+        raise PeerAuthError(LinkReason.AUTH_FAILED, f"nonce must be {NONCE_BYTES} bytes")
+    nonce_b = secrets.token_bytes(NONCE_BYTES)
+    mac = auth_mac(secret, b"dial", challenge.nonce, me, expected_peer)
+    wire.send(Answer(node=me, nonce=nonce_b, mac=mac))
+    welcome = await _expect(wire, Welcome)
+    expected = auth_mac(secret, b"accept", nonce_b, expected_peer, me)
+    if not hmac.compare_digest(expected, welcome.mac):
+        raise PeerAuthError(LinkReason.AUTH_FAILED, "bad MAC: the shared secrets differ")
+
+
+# --------------------------------------------------------------------------
+# an authenticated link
+
+
+class PeerLink:
+    """One authenticated connection to a peer daemon, after Hello."""
+
+    def __init__(
+        self,
+        wire: _Wire,
+        hello: Hello,
+        direction: Direction,
+        *,
+        heartbeat_s: float,
+        peer_ttl_s: float,
+        on_message: OnMessage,
+        on_closed: Callable[[PeerLink, str], None],
+    ) -> None:
+        self._wire = wire
+        self._hello = hello
+        self._direction = direction
+        self._heartbeat_s = heartbeat_s
+        self._peer_ttl_s = peer_ttl_s
+        self._on_message = on_message
+        self._on_closed = on_closed
+        self._loop = asyncio.get_running_loop()
+        self._max_buffered = _BUFFER_FRAMES * wire.max_frame_bytes
+        self._log = _log.bind(peer=hello.node, boot_id=hello.boot_id, direction=direction.value)
+        self.last_heard = self._loop.time()
+        self.opened_at = self.last_heard
+        self.closed_at: float | None = None
+        self.close_reason = ""
+        # True between a normal return of on_up and on_down: on_down is owed.
+        self.announced = False
+        self._ticker: asyncio.Task[None] | None = None
+
+    @property
+    def node(self) -> str:
+        return self._hello.node
+
+    @property
+    def boot_id(self) -> str:
+        return self._hello.boot_id
+
+    @property
+    def hello(self) -> Hello:
+        return self._hello
+
+    @property
+    def direction(self) -> Direction:
+        return self._direction
+
+    @property
+    def peername(self) -> str:
+        return self._wire.peername
+
+    @property
+    def closed(self) -> bool:
+        return self.closed_at is not None
+
+    @property
+    def lifetime(self) -> float:
+        end = self.closed_at if self.closed_at is not None else self._loop.time()
+        return end - self.opened_at
+
+    def send(self, message: PeerMessage) -> bool:
+        """Queue ``message`` on the socket; False if the link is down.
+
+        Never blocks. Raises FrameTooLarge for a message over max_frame_bytes.
+        A peer that lets the buffer grow past a few frames' worth is dropped.
+        """
+        if self.closed:
+            return False
+        if not self._wire.send(message):
+            self.close(LinkReason.PEER_CLOSED, "socket closed", notify_peer=False)
+            return False
+        if self._wire.buffered > self._max_buffered:
+            self.close(LinkReason.BACKPRESSURE, f"{self._wire.buffered} bytes unsent")
+            return False
+        return True
+
+    def close(self, reason: str, message: str = "", *, notify_peer: bool = True) -> None:
+        """Close the link (Goodbye first if ``notify_peer``); idempotent.
+
+        ``on_down`` runs synchronously from here if the daemon saw ``on_up``.
+        """
+        if self.closed:
+            return
+        self.closed_at = self._loop.time()
+        self.close_reason = reason
+        self._wire.close(Goodbye(reason, message or reason) if notify_peer else None)
+        if self._ticker is not None and self._ticker is not asyncio.current_task():
+            self._ticker.cancel()
+        self._log.info("peer_link_closed", reason=reason, detail=message, notified=notify_peer)
+        self._on_closed(self, reason)
+
+    def start_ticker(
+        self, spawn: Callable[[Coroutine[Any, Any, None], str], asyncio.Task[None]]
+    ) -> None:
+        self._ticker = spawn(self._tick(), f"peer-tick-{self.node}")
+
+    async def run(self) -> None:
+        """Read and dispatch until the link closes; never raises but CancelledError."""
+        try:
+            while not self.closed:
+                message = await self._wire.recv()
+                if self.closed:
+                    break
+                self.last_heard = self._loop.time()
+                self._dispatch(message)
+        except LinkAborted as exc:
+            self.close(exc.reason, exc.message, notify_peer=exc.notify_peer)
+        except (asyncio.IncompleteReadError, OSError) as exc:
+            self.close(LinkReason.PEER_CLOSED, type(exc).__name__, notify_peer=False)
+        finally:
+            # Cancelled (manager shutdown): make sure the socket does not outlive us.
+            self.close(LinkReason.SHUTDOWN, "reader cancelled")
+
+    def _dispatch(self, message: PeerMessage) -> None:
+        if isinstance(message, Heartbeat):
+            return  # last_heard is all it is for
+        if isinstance(message, Goodbye):
+            self._log.info("peer_goodbye", peer_reason=message.reason, detail=message.message)
+            self.close(f"peer:{message.reason}", message.message, notify_peer=False)
+            return
+        if isinstance(message, _HANDSHAKE_TYPES):
+            raise LinkAborted(
+                LinkReason.PROTOCOL_ERROR, f"{type(message).__name__} after authentication"
+            )
+        try:
+            self._on_message(self.node, message)
+        except Exception:
+            # A message the daemon failed to handle must not vanish silently:
+            # dropping the link makes both sides run their peer-death path.
+            self._log.exception("peer_on_message_failed", message_type=type(message).__name__)
+            self.close(LinkReason.INTERNAL_ERROR, "the peer failed to handle a message")
+
+    async def _tick(self) -> None:
+        """Send heartbeats and enforce the TTL, on loop (monotonic) time."""
+        next_beat = self._loop.time() + self._heartbeat_s
+        yielded = False
+        while not self.closed:
+            now = self._loop.time()
+            silent = now - self.last_heard
+            if silent >= self._peer_ttl_s:
+                if not yielded:
+                    # After a stall of our own loop the peer's frames may sit
+                    # unread in the socket: let the reader run once first.
+                    yielded = True
+                    await asyncio.sleep(0)
+                    continue
+                self.close(LinkReason.PEER_TTL, f"nothing heard for {silent:.3f}s")
+                return
+            yielded = False
+            if now >= next_beat:
+                # ts is wall time for operators comparing clocks; TTL never reads it.
+                self.send(Heartbeat(ts=time.time()))
+                next_beat = now + self._heartbeat_s
+            deadline = min(next_beat, self.last_heard + self._peer_ttl_s)
+            await asyncio.sleep(max(deadline - now, 0.0))
+
+
+class LinkInfo(msgspec.Struct, frozen=True):
+    """One configured peer, for ``kvpushd status``."""
+
+    node: str
+    address: str
+    up: bool
+    direction: str = ""  # "dialed" / "accepted" when up
+    boot_id: str = ""
+    last_heard_age_s: float | None = None
+    peername: str = ""
+
+
+# --------------------------------------------------------------------------
+# the manager
+
+
+class PeerManager:
+    """Listens, dials and keeps one authenticated link per configured peer.
+
+    Callbacks run on the event loop and must not block: ``on_up(node, hello,
+    link)`` (may raise PeerRejected), ``on_message(node, message)`` in arrival
+    order per link, ``on_down(node, reason)`` once per link whose ``on_up``
+    returned normally (also on :meth:`close`, with reason ``shutdown``).
+    """
+
+    def __init__(
+        self,
+        node: str,
+        secret: bytes,
+        listen: str,
+        peers: Sequence[PeerConfig],
+        *,
+        hello: Callable[[], Hello],
+        on_up: OnUp,
+        on_message: OnMessage,
+        on_down: OnDown,
+        heartbeat_s: float = 1.0,
+        peer_ttl_s: float = 5.0,
+        max_frame_bytes: int = 4 * 1024 * 1024,
+        handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+        backoff_s: tuple[float, float] = DEFAULT_BACKOFF_S,
+    ) -> None:
+        _validate(node, secret, peers, heartbeat_s, peer_ttl_s, backoff_s)
+        self.node = node
+        self._secret = secret
+        self._listen = listen
+        self._peers = {p.node: p for p in peers}
+        self._hello = hello
+        self._on_up = on_up
+        self._on_message = on_message
+        self._on_down = on_down
+        self._heartbeat_s = heartbeat_s
+        self._peer_ttl_s = peer_ttl_s
+        self._max_frame_bytes = max_frame_bytes
+        self._handshake_timeout_s = handshake_timeout_s
+        self._backoff_s = backoff_s
+        self._links: dict[str, PeerLink] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._server: asyncio.Server | None = None
+        self._closing = False
+        self._started = False
+        self._pending_handshakes = 0
+        self._log = _log.bind(node=node)
+        self.listen_port: int | None = None
+
+    # ---- public API
+
+    async def start(self) -> None:
+        """Listen (unless ``listen`` is empty) and start dialing higher-named peers."""
+        if self._started:
+            raise RuntimeError("PeerManager.start() called twice")
+        self._started = True
+        if self._listen:
+            host, port = parse_host_port(self._listen)
+            self._server = await asyncio.start_server(self._serve_accepted, host, port)
+            self.listen_port = self._server.sockets[0].getsockname()[1]
+            self._log.info("peer_listening", host=host, port=self.listen_port)
+        for peer in self._peers.values():
+            if self._dials(peer.node):
+                self._spawn(self._dial_loop(peer), f"peer-dial-{peer.node}")
+            elif not self._listen:
+                self._log.error(
+                    "peer_unreachable",
+                    peer=peer.node,
+                    detail="that peer sorts lower, so it dials us, but we do not listen",
+                )
+
+    def send(self, node: str, message: PeerMessage) -> bool:
+        """Queue ``message`` to ``node``; False if there is no live link to it."""
+        link = self._links.get(node)
+        return link is not None and link.send(message)
+
+    def is_up(self, node: str) -> bool:
+        link = self._links.get(node)
+        return link is not None and not link.closed
+
+    def link(self, node: str) -> PeerLink | None:
+        link = self._links.get(node)
+        return link if link is not None and not link.closed else None
+
+    @property
+    def links(self) -> tuple[LinkInfo, ...]:
+        now = asyncio.get_running_loop().time()
+        return tuple(self._info(peer, now) for peer in sorted(self._peers.values(), key=_by_node))
+
+    async def close(self) -> None:
+        """Stop listening, close every link (on_down: shutdown), end every task."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._server is not None:
+            self._server.close()
+        for link in list(self._links.values()):
+            link.close(LinkReason.SHUTDOWN, "daemon shutting down")
+        # Let connection handlers the server already created start, see
+        # _closing and leave, so none outlives close().
+        await asyncio.sleep(0)
+        current = asyncio.current_task()
+        while pending := [t for t in self._tasks if t is not current]:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            self._tasks.difference_update(pending)
+        if self._server is not None:
+            await self._server.wait_closed()
+        self._log.info("peer_manager_closed")
+
+    # ---- internals
+
+    def _dials(self, peer: str) -> bool:
+        return self.node < peer
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _info(self, peer: PeerConfig, now: float) -> LinkInfo:
+        link = self.link(peer.node)
+        if link is None:
+            return LinkInfo(node=peer.node, address=peer.address, up=False)
+        return LinkInfo(
+            node=peer.node,
+            address=peer.address,
+            up=True,
+            direction=link.direction.value,
+            boot_id=link.boot_id,
+            last_heard_age_s=round(now - link.last_heard, 6),
+            peername=link.peername,
+        )
+
+    def _check_dialer(self, node: str) -> None:
+        if node not in self._peers:
+            raise PeerAuthError(LinkReason.UNKNOWN_NODE, f"{_name(node)} is not a configured peer")
+        if not node < self.node:
+            raise PeerAuthError(
+                LinkReason.WRONG_DIRECTION,
+                f"{node!r} sorts after {self.node!r}: {self.node!r} dials, {node!r} accepts",
+            )
+
+    async def _serve_accepted(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """start_server's handler: one inbound connection, start to end."""
+        task = asyncio.current_task()
+        assert task is not None
+        wire = _Wire(reader, writer, self._max_frame_bytes)
+        if self._closing:
+            wire.close(Goodbye(LinkReason.SHUTDOWN, "daemon shutting down"))
+            return
+        if self._pending_handshakes >= MAX_PENDING_HANDSHAKES:
+            self._log.warning("peer_busy", remote=wire.peername, pending=self._pending_handshakes)
+            wire.close(Goodbye(LinkReason.BUSY, "too many connections authenticating"))
+            return
+        self._tasks.add(task)
+        try:
+            self._pending_handshakes += 1
+            try:
+                link = await self._establish(wire, Direction.ACCEPTED, None)
+            finally:
+                self._pending_handshakes -= 1
+            if link is not None:
+                await link.run()
+        except asyncio.CancelledError:
+            # Only close() cancels us. Ending normally rather than cancelled
+            # matters on 3.11: start_server's done-callback calls
+            # task.exception() on a cancelled task and logs a spurious error.
+            pass
+        except Exception:
+            self._log.exception("peer_connection_failed", remote=wire.peername)
+        finally:
+            self._tasks.discard(task)
+            wire.close(self._shutdown_goodbye())
+
+    async def _dial_loop(self, peer: PeerConfig) -> None:
+        """Keep a link to ``peer``: redial with capped exponential backoff.
+
+        The delay only resets after a link that stayed up at least as long as
+        the cap, so a peer that refuses us right after Hello (PeerRejected) or
+        a dead address is retried a few times a second at first, then every
+        ``backoff_s[1]``, never in a hot loop.
+        """
+        low, high = self._backoff_s
+        delay = low
+        failures = 0
+        while not self._closing:
+            try:
+                lived = await self._dial_once(peer, quiet=failures > 0)
+            except Exception:
+                self._log.exception("peer_dial_failed", peer=peer.node)
+                lived = 0.0
+            if lived >= high:
+                delay, failures = low, 0
+            else:
+                failures += 1
+            await asyncio.sleep(delay * random.uniform(0.8, 1.2))  # jitter: no lockstep
+            delay = min(delay * 2, high)
+
+    async def _dial_once(self, peer: PeerConfig, *, quiet: bool) -> float:
+        """One connection to ``peer``; returns how long the link was up (0 if never)."""
+        host, port = parse_host_port(peer.address)
+        try:
+            async with asyncio.timeout(self._handshake_timeout_s):
+                reader, writer = await asyncio.open_connection(host, port)
+        except OSError as exc:  # TimeoutError is an OSError
+            log = self._log.debug if quiet else self._log.warning
+            log("peer_connect_failed", peer=peer.node, address=peer.address, error=repr(exc))
+            return 0.0
+        wire = _Wire(reader, writer, self._max_frame_bytes)
+        try:
+            link = await self._establish(wire, Direction.DIALED, peer.node)
+            if link is None:
+                return 0.0
+            await link.run()
+            return link.lifetime
+        finally:
+            # Cancelled mid-handshake by close(): the socket must not outlive us.
+            wire.close(self._shutdown_goodbye())
+
+    def _shutdown_goodbye(self) -> Goodbye | None:
+        if not self._closing:
+            return None
+        return Goodbye(LinkReason.SHUTDOWN, "daemon shutting down")
+
+    async def _establish(
+        self, wire: _Wire, direction: Direction, expected: str | None
+    ) -> PeerLink | None:
+        """Authenticate, exchange Hello, hand the link to the daemon; None if refused."""
+        try:
+            hello = await self._handshake(wire, direction, expected)
+        except LinkAborted as exc:
+            self._log.warning(
+                "peer_refused",
+                direction=direction.value,
+                remote=wire.peername,
+                expected=expected,
+                reason=exc.reason,
+                detail=exc.message,
+            )
+            wire.close(Goodbye(exc.reason, exc.message) if exc.notify_peer else None)
+            return None
+        except (asyncio.IncompleteReadError, OSError) as exc:
+            self._log.info(
+                "peer_handshake_closed",
+                direction=direction.value,
+                remote=wire.peername,
+                error=type(exc).__name__,
+            )
+            wire.close(None)
+            return None
+        link = PeerLink(
+            wire,
+            hello,
+            direction,
+            heartbeat_s=self._heartbeat_s,
+            peer_ttl_s=self._peer_ttl_s,
+            on_message=self._on_message,
+            on_closed=self._link_closed,
+        )
+        self._adopt(link)
+        return link
+
+    async def _handshake(self, wire: _Wire, direction: Direction, expected: str | None) -> Hello:
+        try:
+            async with asyncio.timeout(self._handshake_timeout_s):
+                if expected is None:
+                    node = await _accept_auth(wire, self.node, self._secret, self._check_dialer)
+                else:
+                    await _dial_auth(wire, self.node, self._secret, expected)
+                    node = expected
+                wire.recv_limit = wire.max_frame_bytes  # authenticated: Hello may be large
+                wire.send(self._own_hello())
+                hello = await _expect(wire, Hello)
+        except TimeoutError as exc:
+            raise LinkAborted(
+                LinkReason.HANDSHAKE_TIMEOUT,
+                f"handshake not done within {self._handshake_timeout_s}s",
+            ) from exc
+        if hello.node != node:
+            raise LinkAborted(
+                LinkReason.PROTOCOL_ERROR,
+                f"authenticated as {node!r} but Hello says {_name(hello.node)}",
+            )
+        return hello
+
+    def _own_hello(self) -> Hello:
+        try:
+            hello = self._hello()
+        except Exception as exc:
+            self._log.exception("peer_hello_failed")
+            raise LinkAborted(LinkReason.INTERNAL_ERROR, "cannot build Hello") from exc
+        if hello.node != self.node:
+            raise LinkAborted(
+                LinkReason.INTERNAL_ERROR, f"Hello names {hello.node!r}, not {self.node!r}"
+            )
+        return hello
+
+    def _adopt(self, link: PeerLink) -> None:
+        """Make ``link`` the peer's link and tell the daemon (which may refuse it)."""
+        if self._closing:
+            link.close(LinkReason.SHUTDOWN, "daemon shutting down")
+            return
+        old = self._links.get(link.node)
+        if old is not None:
+            old.close(LinkReason.REPLACED, "a newer connection from this peer took over")
+        self._links[link.node] = link
+        # Announced before the call: if the daemon closes the link from inside
+        # on_up, it still gets the matching on_down.
+        link.announced = True
+        try:
+            self._on_up(link.node, link.hello, link)
+        except PeerRejected as exc:
+            link.announced = False
+            self._log.warning(
+                "peer_rejected", peer=link.node, reason=exc.reason, detail=exc.message
+            )
+            link.close(exc.reason, exc.message)
+            return
+        except Exception:
+            link.announced = False
+            self._log.exception("peer_on_up_failed", peer=link.node)
+            link.close(LinkReason.INTERNAL_ERROR, "the peer failed to accept the link")
+            return
+        if not link.closed:
+            link.start_ticker(self._spawn)
+            self._log.info(
+                "peer_up",
+                peer=link.node,
+                boot_id=link.boot_id,
+                direction=link.direction.value,
+                remote=link.peername,
+            )
+
+    def _link_closed(self, link: PeerLink, reason: str) -> None:
+        if self._links.get(link.node) is link:
+            del self._links[link.node]
+        if not link.announced:
+            return
+        link.announced = False
+        self._log.info("peer_down", peer=link.node, boot_id=link.boot_id, reason=reason)
+        try:
+            self._on_down(link.node, reason)
+        except Exception:
+            self._log.exception("peer_on_down_failed", peer=link.node)
+
+
+def _by_node(peer: PeerConfig) -> str:
+    return peer.node
+
+
+def _validate(
+    node: str,
+    secret: bytes,
+    peers: Sequence[PeerConfig],
+    heartbeat_s: float,
+    peer_ttl_s: float,
+    backoff_s: tuple[float, float],
+) -> None:
+    if not node:
+        raise ValueError("node name is empty")
+    if not secret:
+        raise ValueError("peer secret is empty")
+    names = [p.node for p in peers]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate peer node names in {names}")
+    if node in names:
+        raise ValueError(f"node {node!r} lists itself as a peer")
+    if not 0 < heartbeat_s < peer_ttl_s:
+        raise ValueError(f"need 0 < heartbeat_s ({heartbeat_s}) < peer_ttl_s ({peer_ttl_s})")
+    if not 0 < backoff_s[0] <= backoff_s[1]:
+        raise ValueError(f"need 0 < backoff_s[0] <= backoff_s[1], got {backoff_s}")
+    for peer in peers:
+        parse_host_port(peer.address)

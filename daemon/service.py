@@ -1,0 +1,124 @@
+"""``kvpushd run``: wire the node, peer link, engine server and systemd together."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+
+import structlog
+
+from daemon.engine_server import EngineServer
+from daemon.node import Node
+from daemon.peerlink import PeerManager, load_secret
+from daemon.sdnotify import Notifier
+from schemas.config import Config
+
+log = structlog.get_logger("kvpushd")
+
+EXIT_OK = 0
+EXIT_JOURNAL_FATAL = 3
+
+
+def _status_line(node: Node) -> str:
+    status = node.status()
+    peers = sum(1 for p in status["peers"] if p.get("up"))
+    return (
+        f"{status['live']} live requests, {len(status['engines'])} engines, "
+        f"{peers} peers up, journal at seq {status['journal']['durable_seq']}"
+    )
+
+
+async def _watchdog(notifier: Notifier, interval: float) -> None:
+    # Pinged from the event loop itself: a wedged loop stops the pings and
+    # systemd restarts the daemon.
+    while True:
+        notifier.watchdog()
+        await asyncio.sleep(interval)
+
+
+async def _status_updates(notifier: Notifier, node: Node) -> None:
+    while True:
+        await asyncio.sleep(5.0)
+        notifier.status(_status_line(node))
+
+
+async def serve(config: Config, notifier: Notifier | None = None) -> int:
+    notifier = notifier or Notifier()
+    stop = asyncio.Event()
+    node = Node(config)
+    node.on_fatal = lambda exc: stop.set()
+    await node.start()
+    await node.load_metadata()
+
+    peers: PeerManager | None = None
+    if config.listen or config.peers:
+        secret = load_secret(config.secret_file) if config.secret_file else b""
+        peers = PeerManager(
+            config.node,
+            secret,
+            config.listen,
+            config.peers,
+            hello=node.hello,
+            on_up=node.on_peer_up,
+            on_message=node.on_peer_message,
+            on_down=node.on_peer_down,
+            heartbeat_s=config.heartbeat_s,
+            peer_ttl_s=config.peer_ttl_s,
+            max_frame_bytes=config.limits.max_frame_bytes,
+        )
+        node.attach_peers(peers)
+        await peers.start()
+
+    server = EngineServer(
+        config.socket,
+        node,
+        max_frame_bytes=config.limits.max_frame_bytes,
+        allowed_uids=config.allowed_uids,
+        allowed_gids=config.allowed_gids,
+    )
+    await server.start()
+
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    background = [asyncio.ensure_future(_status_updates(notifier, node))]
+    if notifier.watchdog_interval_s:
+        background.append(asyncio.ensure_future(_watchdog(notifier, notifier.watchdog_interval_s)))
+    log.info(
+        "ready",
+        node=config.node,
+        socket=config.socket,
+        listen=getattr(peers, "listen_port", None),
+        journal=config.journal.dir,
+    )
+    notifier.ready(_status_line(node))
+
+    await stop.wait()
+
+    if node.fatal is not None:
+        # Never continue and never retry after a failed fsync: exit and let
+        # the next start replay to the last durable record.
+        log.critical("exiting after a journal failure", error=str(node.fatal))
+        notifier.stopping("journal failure")
+        return EXIT_JOURNAL_FATAL
+    notifier.stopping("draining")
+    log.info("draining", live=len(node.registry.live), writes=len(node.writes))
+    server.stop_accepting()
+    await node.stop()
+    if peers is not None:
+        await peers.close()
+    await server.close()
+    for task in background:
+        task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.gather(*background, return_exceptions=True)
+    notifier.close()
+    log.info("stopped")
+    return EXIT_OK
+
+
+def run(config: Config) -> int:
+    import uvloop
+
+    return uvloop.run(serve(config))
