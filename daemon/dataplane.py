@@ -474,21 +474,19 @@ class _Worker:
     def _progress(self) -> None:
         agent = self.st.agent
         for xid, entry in list(self.st.inflight.items()):
+            error: DataPlaneError | None = None
             try:
                 state = agent.check_xfer_state(entry.handle)
             except Exception as exc:
-                log.warning("check_xfer_state failed for write %d: %s", xid, exc)
-                state = "ERR"
+                state, error = "ERR", _wrap(exc, f"write {xid}", TransferError)
             if state == "DONE":
                 del self.st.inflight[xid]
                 self._finish(entry)
             elif state != "PROC":
                 del self.st.inflight[xid]
-                self._abort(entry.handle)
-                self._resolve(
-                    entry.post.fut,
-                    exc=TransferError(f"write {xid} failed in NIXL ({state})", code="xfer_err"),
-                )
+                self._release_xfer(entry.handle)
+                error = error or TransferError(f"write {xid} failed in NIXL", code="xfer_err")
+                self._resolve(entry.post.fut, exc=error)
         try:
             notifs = agent.get_new_notifs()
         except Exception as exc:
@@ -519,7 +517,7 @@ class _Worker:
             # With cma the whole copy happens inside this call (it drops the GIL).
             state = st.agent.transfer(handle)
         except Exception as exc:
-            self._abort(handle)
+            self._release_xfer(handle)
             self._resolve(post.fut, exc=_wrap(exc, "transfer", TransferError))
             return
         if state == "DONE":
@@ -527,7 +525,7 @@ class _Worker:
         elif state == "PROC":
             st.inflight[post.xid] = entry
         else:
-            self._abort(handle)
+            self._release_xfer(handle)
             self._resolve(
                 post.fut,
                 exc=TransferError(
@@ -537,11 +535,11 @@ class _Worker:
 
     def _finish(self, entry: _InFlight) -> None:
         seconds = time.perf_counter() - entry.t0
-        self._abort(entry.handle)  # a DONE handle releases cleanly
+        self._release_xfer(entry.handle)  # a DONE handle releases cleanly
         post = entry.post
         self._resolve(post.fut, WriteResult(post.nbytes, int(post.lidx.size), seconds))
 
-    def _abort(self, handle: Any) -> None:
+    def _release_xfer(self, handle: Any) -> None:
         """Release a transfer handle; for one still in flight that aborts it.
 
         If NIXL refuses to cancel, wait for the transfer to settle and try
@@ -571,7 +569,7 @@ class _Worker:
         entry = self.st.inflight.pop(xid, None)
         if entry is None:
             return "settled"  # already finished (or failed) before the cancel arrived
-        self._abort(entry.handle)
+        self._release_xfer(entry.handle)
         self._cancel_future(entry.post.fut)
         return "aborted"
 
@@ -580,7 +578,7 @@ class _Worker:
         victims = [xid for xid, e in self.st.inflight.items() if match(e.post)]
         for xid in victims:
             entry = self.st.inflight.pop(xid)
-            self._abort(entry.handle)
+            self._release_xfer(entry.handle)
             self._resolve(
                 entry.post.fut, exc=TransferError(f"write {xid} aborted: {why}", code=code)
             )
@@ -782,6 +780,13 @@ class DataPlane:
     stale metadata; loading newer metadata for a known agent updates it) and
     its engines' ``RemoteEngine`` to the peer, which calls
     ``add_remote_agent`` then ``add_remote_engine``.
+
+    ``poll_interval_s`` paces the worker while writes are in flight or
+    notifications are expected; ``idle_progress_s`` is how often an otherwise
+    idle worker makes one progress call (None: never). A receiver should call
+    ``expect_notifications(True)`` while it waits for data: a pusher's
+    notified WRITE only completes when the receiver progresses, so without it
+    each write takes up to ``idle_progress_s`` (measured: 100 ms per write).
     """
 
     def __init__(
@@ -804,6 +809,7 @@ class DataPlane:
         self._local: dict[str, EngineGeometry] = {}
         self._remote_agents: set[str] = set()
         self._remote: dict[tuple[str, str], EngineGeometry] = {}
+        self._remote_specs: dict[tuple[str, str], RemoteEngine] = {}
         # Counters (read them from the event loop).
         self.writes = 0
         self.bytes_written = 0
@@ -833,6 +839,9 @@ class DataPlane:
         try:
             await _settle(worker.started)
         except BaseException:
+            if worker.started.exception() is None:
+                # The agent started but our caller was cancelled: stop it again.
+                worker.submit(_Stop(worker.loop.create_future()))
             await asyncio.to_thread(worker.thread.join)
             raise
         self._worker = worker
@@ -849,6 +858,7 @@ class DataPlane:
         await asyncio.to_thread(worker.thread.join)
         self._local.clear()
         self._remote.clear()
+        self._remote_specs.clear()
         self._remote_agents.clear()
 
     def _live_worker(self) -> _Worker:
@@ -915,26 +925,32 @@ class DataPlane:
             raise DataPlaneError(f"unknown remote agent {name!r}", code="unknown_agent")
         self._remote_agents.discard(name)
         for key in [k for k in self._remote if k[0] == name]:
-            del self._remote[key]
+            del self._remote[key], self._remote_specs[key]
         return await self._call(lambda: worker.remove_remote_agent(name))
 
     async def add_remote_engine(self, agent_name: str, engine: RemoteEngine) -> None:
+        """Prepare a peer engine's descriptor list; adding the identical engine again is a no-op."""
         worker = self._live_worker()
         if agent_name not in self._remote_agents:
             raise DataPlaneError(f"unknown remote agent {agent_name!r}", code="unknown_agent")
         key = (agent_name, engine.engine_id)
         if key in self._remote:
+            if self._remote_specs.get(key) == engine:
+                return  # the same engine again (a peer link reconnect): nothing to do
             raise DataPlaneError(
-                f"remote engine {engine.engine_id!r} of {agent_name!r} already added",
+                f"remote engine {engine.engine_id!r} of {agent_name!r} already added with"
+                " another layout; remove_remote_engine first",
                 code="duplicate",
             )
         _check_remote_engine(engine)
         geometry = EngineGeometry.of(engine.engine_id, engine.groups)
         await self._call(lambda: worker.add_remote_engine(agent_name, engine))
         self._remote[key] = geometry
+        self._remote_specs[key] = engine
 
     async def remove_remote_engine(self, agent_name: str, engine_id: str) -> int:
         worker = self._live_worker()
+        self._remote_specs.pop((agent_name, engine_id), None)
         if self._remote.pop((agent_name, engine_id), None) is None:
             raise DataPlaneError(
                 f"unknown remote engine {engine_id!r} of {agent_name!r}", code="unknown_engine"
@@ -1012,7 +1028,13 @@ class DataPlane:
     # ---- notifications ---------------------------------------------------------
 
     def set_notification_handler(self, callback: NotificationHandler | None) -> None:
-        """``callback(remote_agent_name, message)`` runs on the event loop thread."""
+        """``callback(remote_agent_name, message)`` runs on the event loop thread.
+
+        NIXL keys notifications by the sending agent's name only; the message
+        must identify the request (and its incarnation). A cancelled or
+        fenced write's notification is normally never delivered, but the
+        handler must tolerate late or unknown messages.
+        """
         self._handler = callback
 
     def expect_notifications(self, flag: bool) -> None:

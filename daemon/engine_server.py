@@ -178,7 +178,7 @@ class EngineServer:
         except Refusal as refusal:
             return rpc.Error(request.id, refusal.reason.value, refusal.message)
         except RegionError as exc:
-            return rpc.Error(request.id, rpc.BAD_REGION, str(exc))
+            return rpc.Error(request.id, exc.code or rpc.BAD_REGION, str(exc))
         except Exception as exc:
             if getattr(self.node, "fatal", None) is not None:
                 return rpc.Error(request.id, rpc.SHUTTING_DOWN, "the journal failed")

@@ -545,11 +545,13 @@ class SimEngine:
         return reply
 
     async def abort(self, request_id: str, incarnation: int = 1) -> rpc.Ok | rpc.Deferred:
-        """Abort; an ``Ok`` gives the blocks back at once, like a release."""
-        reply = await self.client.abort(request_id, incarnation)
-        if isinstance(reply, rpc.Ok):
-            self._settle((request_id, incarnation))
-        return reply
+        """Abort: the request fails, but its blocks stay the daemon's until released.
+
+        A write already in flight may still land in them, so they are not
+        settled here; :meth:`release` (or the ``Released`` event after a
+        deferred release) gives them back.
+        """
+        return await self.client.abort(request_id, incarnation)
 
     def verify_source(self, request_id: str, incarnation: int = 1) -> VerifyReport:
         """Prefill side: a push only reads the source, so no byte of this cache changed.

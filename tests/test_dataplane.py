@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import threading
@@ -383,6 +384,12 @@ async def test_remote_engine_needs_metadata_taken_after_its_registration(
     # Loading newer metadata for a known agent updates it.
     await pair.pusher.add_remote_agent(await pair.receiver.metadata())
     await pair.pusher.add_remote_engine(pair.receiver.agent_name, remote)
+    # The same engine again (a reconnect) is a no-op; another layout under its id is not.
+    await pair.pusher.add_remote_engine(pair.receiver.agent_name, remote)
+    changed = msgspec.structs.replace(remote, groups=remote.groups[:1])
+    with pytest.raises(DataPlaneError) as info:
+        await pair.pusher.add_remote_engine(pair.receiver.agent_name, changed)
+    assert info.value.code == "duplicate"
     pair.receiver.expect_notifications(True)
     fill_pattern(pair.src)
     result = await pair.pusher.write(
@@ -450,7 +457,9 @@ async def _receiver_main(conn, spec_bytes: bytes) -> None:
     dp.expect_notifications(True)
     conn.send_bytes(msgspec.msgpack.encode((await dp.metadata(), remote)))
     conn.send_bytes(msgspec.msgpack.encode(await asyncio.wait_for(got, 60)))
-    await loop.run_in_executor(None, conn.recv_bytes)  # the parent has verified
+    # Stay up until the parent kills this process: it tests peer death.
+    with contextlib.suppress(EOFError):
+        await loop.run_in_executor(None, conn.recv_bytes)
     await dp.close()
     for region in regions.values():
         region.close()
@@ -535,6 +544,20 @@ async def test_close_is_idempotent_and_refuses_later_calls(engines: Callable[...
     with pytest.raises(DataPlaneError) as info:
         await dp.metadata()
     assert info.value.code == "state"
+
+
+async def test_unmapping_a_still_registered_region_does_not_crash(
+    engines: Callable[..., Engine],
+) -> None:
+    """Wrong order (unmap, then deregister) must not bring the daemon down."""
+    dp = DataPlane(_unique("u"))
+    await dp.start()
+    eng = engines("e")
+    await dp.add_local_engine(eng.spec, eng.regions)
+    for region in eng.regions.values():
+        region.close()
+    assert await dp.remove_local_engine("e") == 0
+    await dp.close()
 
 
 def test_indices_follow_group_layer_block_order() -> None:

@@ -1,0 +1,444 @@
+"""End to end: two real daemon processes, simulated engines, real NIXL over DRAM.
+
+Every test drives engines through the client library against a prefill and a
+decode daemon started as subprocesses on loopback, and checks the bytes in
+the engines' shared memory and the daemons' journals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import struct
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from daemon.client import EngineClient, RpcError
+from daemon.framing import FrameEncoder, frame_bytes
+from daemon.kvpattern import changed_blocks, snapshot
+from daemon.memory import create_shm_file
+from daemon.replay import replay
+from daemon.sim_engine import Expectation, SimEngine, SimGroup, tail_pairs
+from schemas import rpc
+from schemas.events import Failed, Refused, WriteStarted
+from schemas.kvlayout import GroupSpec, LayerSpec
+from schemas.layout import GroupKind, Role
+from tests.daemons import Daemon, daemon_pair, status
+
+LAYOUT = [
+    SimGroup(num_blocks=640, block_bytes=4096, layers=2),
+    SimGroup(num_blocks=640, block_bytes=2048, layers=3),
+]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, Daemon]]:
+    prefill, decode = daemon_pair(tmp_path_factory.mktemp("pair"))
+    prefill.start()
+    decode.start()
+    decode.wait_peer("prefill")
+    prefill.wait_peer("decode")
+    yield prefill, decode
+    assert prefill.stop() == 0, prefill.logs()
+    assert decode.stop() == 0, decode.logs()
+
+
+def _uid() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+async def _engines(pair, layout=LAYOUT) -> tuple[SimEngine, SimEngine]:
+    prefill, decode = pair
+    tag = _uid()
+    pe = await SimEngine.create(f"p-{tag}", Role.PUSHER, layout, prefill.socket)
+    de = await SimEngine.create(f"d-{tag}", Role.RECEIVER, layout, decode.socket)
+    return pe, de
+
+
+async def _push(pe: SimEngine, de: SimEngine, rid: str, src, dst, *, pairs=None):
+    pairs = pairs if pairs is not None else tail_pairs(pe.layout, src, de.layout, dst)
+    await de.decode_register(rid, dst, "prefill", expect=Expectation(pe.engine_id, pairs))
+    await pe.prefill(rid, src)
+    arrived = await de.wait_event(rid, (rpc.KvArrived, rpc.RequestFailed), timeout=20)
+    freed = await pe.wait_event(rid, (rpc.BlocksFreeable, rpc.RequestFailed), timeout=20)
+    assert isinstance(arrived, rpc.KvArrived), arrived
+    assert isinstance(freed, rpc.BlocksFreeable), freed
+    report = de.reports[(rid, 1)]
+    assert report.ok, report.problems()
+    assert pe.reports[(rid, 1)].ok, pe.reports[(rid, 1)].problems()
+    return report
+
+
+def _events(daemon: Daemon, request_id: str) -> list:
+    out = []
+
+    def collect(record, touched) -> None:
+        if getattr(record.event, "request_id", None) == request_id:
+            out.append(record.event)
+
+    replay(daemon.journal, on_record=collect)
+    return out
+
+
+async def test_partial_hit_writes_exactly_the_tail(pair):
+    pe, de = await _engines(pair)
+    try:
+        src = [list(range(10, 15)), list(range(10, 15))]
+        dst = [[500, 501], [502, 503]]
+        report = await _push(pe, de, "partial", src, dst)
+        # Decode blocks 500/501 hold prefill blocks 13/14, in every layer; the
+        # simulated engine also checked that no other decode byte changed.
+        assert report.blocks_checked == 4
+        pairs = tail_pairs(pe.layout, src, de.layout, dst)
+        assert pairs[0] == ((500, 13), (501, 14))
+        await de.release("partial")
+        await pe.release("partial")
+    finally:
+        await pe.close()
+        await de.close()
+    kinds = [type(e).__name__ for e in _events(pair[0], "partial")]
+    assert kinds[:7] == [
+        "Registered",
+        "PeerRegistered",
+        "Trimmed",
+        "KvReady",
+        "WriteStarted",
+        "WriteDone",
+        "Released",
+    ] or kinds[:7] == [
+        "PeerRegistered",
+        "Registered",
+        "Trimmed",
+        "KvReady",
+        "WriteStarted",
+        "WriteDone",
+        "Released",
+    ]
+
+
+async def test_no_hit_several_groups_and_layers(pair):
+    pe, de = await _engines(pair)
+    try:
+        src = [list(range(100, 108)), list(range(200, 204))]
+        dst = [list(range(300, 308)), list(range(400, 404))]
+        report = await _push(pe, de, "nohit", src, dst)
+        assert report.blocks_checked == 12
+    finally:
+        await pe.close()
+        await de.close()
+
+
+async def test_full_hit_writes_nothing_and_completes(pair):
+    pe, de = await _engines(pair)
+    try:
+        before = snapshot(de.view)
+        await _push(pe, de, "fullhit", [[1, 2, 3], [4, 5]], [[], []])
+        assert changed_blocks(before, de.view) == []
+        started = [e for e in _events(pair[0], "fullhit") if isinstance(e, WriteStarted)]
+        assert started and started[0].num_blocks == 0 and started[0].nbytes == 0
+    finally:
+        await pe.close()
+        await de.close()
+
+
+async def test_block_count_mismatch_refused_before_any_write(pair):
+    pe, de = await _engines(pair)
+    try:
+        before = snapshot(de.view)
+        await de.decode_register("mismatch", [[1, 2, 3, 4], [5]], "prefill")
+        await pe.prefill("mismatch", [[7, 8], [9, 10]], kv_ready=False)
+        d_ev = await de.wait_event("mismatch", rpc.RequestFailed, timeout=20)
+        p_ev = await pe.wait_event("mismatch", rpc.RequestFailed, timeout=20)
+        assert d_ev.reason == "decode_longer_than_prefill"
+        assert p_ev.reason == "decode_longer_than_prefill"
+        assert changed_blocks(before, de.view) == []
+        await de.release("mismatch")
+        await pe.release("mismatch")
+    finally:
+        await pe.close()
+        await de.close()
+    events = _events(pair[0], "mismatch")
+    assert any(isinstance(e, Refused) and e.reason == "decode_longer_than_prefill" for e in events)
+    assert not any(isinstance(e, WriteStarted) for e in events)
+
+
+async def test_duplicate_stale_and_overlap_refused(pair):
+    pe, de = await _engines(pair)
+    try:
+        await _push(pe, de, "first", [[1, 2], [3]], [[20, 21], [22]])
+        with pytest.raises(RpcError) as dup:
+            await de.client.register_request(
+                de.engine_id, "first", Role.RECEIVER, [[30], [31]], peer="prefill"
+            )
+        assert dup.value.code == "duplicate_request"
+        # Blocks 20/21 belong to live request "first": a new claim is refused.
+        with pytest.raises(RpcError) as owned:
+            await de.client.register_request(
+                de.engine_id, "second", Role.RECEIVER, [[21], [40]], peer="prefill"
+            )
+        assert owned.value.code == "blocks_owned"
+        await de.release("first")
+        await pe.release("first")
+        # A late message for the released incarnation is stale.
+        with pytest.raises(RpcError) as stale:
+            await pe.client.kv_ready("first", 1)
+        assert stale.value.code == "stale_incarnation"
+        with pytest.raises(RpcError) as stale_reg:
+            await de.client.register_request(
+                de.engine_id, "first", Role.RECEIVER, [[50], [51]], peer="prefill", incarnation=1
+            )
+        assert stale_reg.value.code == "stale_incarnation"
+        # After the release the blocks are free again, and a new incarnation is fine.
+        await _push(pe, de, "second", [[5, 6], [7]], [[20, 21], [40]])
+    finally:
+        await pe.close()
+        await de.close()
+
+
+async def test_receiver_abort_keeps_blocks_owned_until_pusher_confirms(pair):
+    prefill, decode = pair
+    pe, de = await _engines(pair)
+    try:
+        before = snapshot(de.view)
+        await de.decode_register("abort", [[60, 61], [62]], "prefill")
+        await pe.prefill("abort", [[1, 2, 3], [4]], kv_ready=False)
+        # Freeze the prefill daemon (well within its peer TTL): the decode side
+        # cannot get the pusher's word, so its blocks must stay quarantined.
+        os.kill(prefill.proc.pid, signal.SIGSTOP)
+        try:
+            await de.abort("abort")
+            reply = await de.client.release("abort", 1)
+            assert isinstance(reply, rpc.Deferred)
+            with pytest.raises(RpcError) as owned:
+                await de.client.register_request(
+                    de.engine_id, "thief", Role.RECEIVER, [[61], [70]], peer="prefill"
+                )
+            assert owned.value.code == "blocks_owned"
+        finally:
+            os.kill(prefill.proc.pid, signal.SIGCONT)
+        released = await de.wait_event("abort", rpc.Released, timeout=20)
+        assert isinstance(released, rpc.Released)
+        failed = await pe.wait_event("abort", rpc.RequestFailed, timeout=20)
+        assert failed.reason == "cancelled_by_peer"
+        # The pusher never writes for a cancelled request.
+        with pytest.raises(RpcError):
+            await pe.kv_ready("abort")
+        await asyncio.sleep(0.2)
+        assert changed_blocks(before, de.view) == []
+        # Once settled and released, the blocks can be claimed again.
+        await _push(pe, de, "after-abort", [[8, 9], [10]], [[60, 61], [62]])
+    finally:
+        await pe.close()
+        await de.close()
+    events = _events(decode, "abort")
+    kinds = [type(e).__name__ for e in events]
+    assert kinds.index("ReleaseDeferred") < kinds.index("PeerSettled") < kinds.index("Released")
+
+
+async def test_prefill_release_during_write_is_deferred(pair):
+    prefill, decode = pair
+    pe, de = await _engines(pair)
+    try:
+        await de.decode_register("defer", [[80], [81]], "prefill")
+        await pe.prefill("defer", [[1], [2]], kv_ready=False)
+        # With the decode daemon frozen, the write's completion (which carries
+        # a notification) cannot be confirmed: the pusher stays in writing.
+        os.kill(decode.proc.pid, signal.SIGSTOP)
+        try:
+            await pe.kv_ready("defer")
+            for _ in range(100):
+                if status(prefill.socket)["by_state"].get("writing"):
+                    break
+                await asyncio.sleep(0.01)
+            assert status(prefill.socket)["by_state"].get("writing") == 1
+            reply = await pe.client.release("defer", 1)
+            assert isinstance(reply, rpc.Deferred)
+        finally:
+            os.kill(decode.proc.pid, signal.SIGCONT)
+        released = await pe.wait_event("defer", rpc.Released, timeout=20)
+        assert isinstance(released, rpc.Released)
+        assert isinstance(await de.wait_event("defer", rpc.KvArrived, timeout=20), rpc.KvArrived)
+        await de.release("defer")
+    finally:
+        await pe.close()
+        await de.close()
+    kinds = [type(e).__name__ for e in _events(prefill, "defer")]
+    assert kinds.index("ReleaseDeferred") < kinds.index("WriteDone") < kinds.index("Released")
+
+
+async def test_offload_slots_are_zeroed_on_release(pair):
+    prefill, _ = pair
+    tag = _uid()
+    data = create_shm_file(f"/dev/shm/kvpushd-test-kv-{tag}", 64 * 4096)
+    pool = create_shm_file(f"/dev/shm/kvpushd-test-off-{tag}", 8 * 4096)
+    client = await EngineClient.connect(prefill.socket)
+    try:
+        groups = (GroupSpec(GroupKind.ATTENTION, 64, 4096, (LayerSpec(data.name),)),)
+        await client.register_engine(f"off-{tag}", groups, (data,), offload=pool, offload_slots=8)
+        slots_file = np.memmap(pool.path, dtype=np.uint8, mode="r+")
+        first = await client.register_request(
+            f"off-{tag}", "o1", Role.PUSHER, [[1]], offload_slots=3
+        )
+        assert len(first.offload_slots) == 3
+        for slot in first.offload_slots:
+            slots_file[slot * 4096 : (slot + 1) * 4096] = 0xEE  # the request's residue
+        await client.abort("o1")
+        await client.release("o1")
+        for slot in first.offload_slots:
+            assert not slots_file[slot * 4096 : (slot + 1) * 4096].any(), "slot not zeroed"
+        second = await client.register_request(
+            f"off-{tag}", "o2", Role.PUSHER, [[2]], offload_slots=8
+        )
+        assert not any(slots_file[s * 4096 : (s + 1) * 4096].any() for s in second.offload_slots)
+        with pytest.raises(RpcError) as exhausted:
+            await client.register_request(f"off-{tag}", "o3", Role.PUSHER, [[3]], offload_slots=1)
+        assert exhausted.value.code == "offload_exhausted"
+        await client.abort("o2")
+        await client.release("o2")
+    finally:
+        await client.close()
+        for path in (data.path, pool.path):
+            os.unlink(path)
+
+
+async def test_two_hundred_concurrent_requests_byte_exact(pair):
+    layout = [SimGroup(num_blocks=1024, block_bytes=2048, layers=2)]
+    engines = [await _engines(pair, layout) for _ in range(2)]
+    try:
+
+        async def one(i: int) -> None:
+            pe, de = engines[i % 2]
+            base = (i // 2) * 5
+            src = [list(range(base, base + 5))]
+            dst = [list(range(base, base + 2 + i % 3))]
+            await _push(pe, de, f"c{i}", src, dst)
+            await de.release(f"c{i}")
+            await pe.release(f"c{i}")
+
+        await asyncio.gather(*(one(i) for i in range(200)))
+        for _, de in engines:
+            assert len(de.reports) == 100
+            assert all(r.ok for r in de.reports.values())
+    finally:
+        for pe, de in engines:
+            await pe.close()
+            await de.close()
+
+
+def _raw(sock_path: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(sock_path)
+    return s
+
+
+def _reply(s: socket.socket):
+    header = s.recv(4, socket.MSG_WAITALL)
+    if len(header) < 4:
+        return None
+    body = s.recv(struct.unpack(">I", header)[0], socket.MSG_WAITALL)
+    return msgspec.msgpack.decode(body, type=rpc.ServerMessage)
+
+
+def test_bad_frames_get_errors_and_the_daemon_keeps_serving(pair):
+    prefill, _ = pair
+    before = status(prefill.socket)
+    with _raw(prefill.socket) as s:
+        s.sendall(frame_bytes(b"\xc1\xc1garbage"))
+        assert _reply(s).code == "bad_frame"
+        s.sendall(frame_bytes(msgspec.msgpack.encode({"op": "launch_missiles", "id": 7})))
+        err = _reply(s)
+        assert err.code == "bad_request" and err.id == 7
+        s.sendall(
+            frame_bytes(
+                msgspec.msgpack.encode(
+                    {
+                        "op": "register_request",
+                        "id": 8,
+                        "engine_id": 5,
+                        "request_id": [],
+                        "role": "pusher",
+                        "blocks": "x",
+                    }
+                )
+            )
+        )
+        err = _reply(s)
+        assert err.code == "bad_request" and err.id == 8
+        s.sendall(FrameEncoder().encode(rpc.KvReady(id=9, request_id="nobody")))
+        assert _reply(s).code == "unknown_request"
+    with _raw(prefill.socket) as s:
+        s.sendall(struct.pack(">I", 1 << 30))  # a 1 GiB frame: refused, connection closed
+        assert _reply(s).code == "frame_too_large"
+        assert s.recv(1) == b""
+    after = status(prefill.socket)
+    assert after["live"] == before["live"]
+    assert after["journal"]["next_seq"] == before["journal"]["next_seq"]
+
+
+def test_idle_daemon_uses_almost_no_cpu(pair):
+    prefill, decode = pair
+
+    def cpu_seconds(pid: int) -> float:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    before = {d.node: cpu_seconds(d.proc.pid) for d in (prefill, decode)}
+    time.sleep(3.0)
+    used = {d.node: cpu_seconds(d.proc.pid) - before[d.node] for d in (prefill, decode)}
+    # Heartbeats and deadline checks only: far below a spinning progress thread
+    # (which alone would burn ~3 s of CPU here).
+    assert all(u < 0.3 for u in used.values()), used
+
+
+async def test_kill_9_prefill_mid_flight_then_restart(tmp_path):
+    prefill, decode = daemon_pair(tmp_path)
+    prefill.start()
+    decode.start()
+    decode.wait_peer("prefill")
+    try:
+        pe = await SimEngine.create("kp", Role.PUSHER, LAYOUT, prefill.socket)
+        de = await SimEngine.create("kd", Role.RECEIVER, LAYOUT, decode.socket)
+        before = snapshot(de.view)
+        await de.decode_register("k1", [[5, 6], [7]], "prefill")
+        await pe.prefill("k1", [[1, 2, 3], [4]], kv_ready=False)
+        prefill.kill()
+        # The decode side hears its peer die and fails the request, settled:
+        # the pusher's process (and any copy it ran) is gone.
+        failed = await de.wait_event("k1", rpc.RequestFailed, timeout=20)
+        assert failed.reason == "peer_dead"
+        await pe.close()
+        prefill.start()
+        decode.wait_peer("prefill")
+        # Replay restored the registry; the in-flight request is failed and
+        # the prefill engine is told when it registers again.
+        pe = await SimEngine.create("kp", Role.PUSHER, LAYOUT, prefill.socket)
+        restarted = await pe.wait_event("k1", rpc.RequestFailed, timeout=20)
+        assert restarted.reason == "daemon_restart"
+        await pe.release("k1")
+        await de.release("k1")
+        assert changed_blocks(before, de.view) == []
+        for daemon in (prefill, decode):
+            st = daemon.status()
+            assert st["live"] == 0, st
+        # And it still pushes.
+        await _push(pe, de, "k2", [[1, 2], [3]], [[5, 6], [7]])
+        await de.release("k2")
+        await pe.release("k2")
+        await pe.close()
+        await de.close()
+    finally:
+        prefill.stop()
+        decode.stop()
+    events = _events(prefill, "k1")
+    assert any(isinstance(e, Failed) and e.reason == "daemon_restart" for e in events)
+    result = replay(prefill.journal)
+    assert not result.registry.live and not result.registry.owned_blocks()
