@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/kvpushd --help
+	$(BIN)/kvpushd demo $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/ruff check .

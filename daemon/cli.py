@@ -143,7 +143,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from daemon.config import ConfigError, load_config
     from daemon.logs import configure
 
-    overrides = {"node": args.node, "socket": args.socket, "log_level": args.log_level}
+    overrides = {
+        "node": args.node,
+        "socket": args.socket,
+        "listen": args.listen,
+        "log_level": args.log_level,
+    }
     try:
         config = load_config(args.config, overrides)
     except ConfigError as exc:
@@ -159,6 +164,49 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run(config)
 
 
+# --- `kvpushd status` (daemon/status_cli.py) --------------------------------
+
+STATUS_EXIT_CODES = """\
+exit codes:
+  0  the daemon answered
+  2  bad arguments, or the --config file is unusable
+  3  no daemon is running (the socket is missing or refuses connections)
+  4  the daemon could not be asked (permission denied, timeout, bad reply)
+"""
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from daemon.status_cli import run as status_run  # keeps `kvpushd run` imports lean
+
+    return status_run(args)
+
+
+def add_status_parser(sub: argparse._SubParsersAction) -> None:
+    status = sub.add_parser(
+        "status",
+        help="show a running daemon's requests, engines, peers and journal",
+        epilog=STATUS_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    where = status.add_mutually_exclusive_group()
+    where.add_argument("--socket", help="the daemon's engine socket")
+    where.add_argument("--config", type=Path, help="the daemon's TOML config (names the socket)")
+    status.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    status.add_argument("--limit", type=int, default=10, metavar="N", help="oldest requests shown")
+    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply")
+    status.set_defaults(func=cmd_status)
+
+
+# ----------------------------------------------------------------------------
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    # Imported here so that other commands never load the simulated engine (numpy).
+    from daemon.demo import main as demo_main
+
+    return demo_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvpushd",
@@ -171,8 +219,35 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--node", help="override the node name")
     run.add_argument("--socket", help="override the engine socket path")
     run.add_argument("--journal-dir", help="override the journal directory")
+    run.add_argument("--listen", help="override the peer listen address (host:port, '' for none)")
     run.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     run.set_defaults(func=cmd_run)
+    add_status_parser(sub)
+
+    demo = sub.add_parser(
+        "demo", help="run a prefill and a decode daemon on this machine and push real bytes"
+    )
+    demo.add_argument(
+        "--requests", type=int, default=200, metavar="N", help="requests to push (default 200)"
+    )
+    demo.add_argument(
+        "--block-size",
+        type=int,
+        default=16384,
+        metavar="BYTES",
+        help="bytes per KV block and layer (default 16384)",
+    )
+    demo.add_argument(
+        "--workdir",
+        type=Path,
+        metavar="DIR",
+        help="folder for configs, logs and journals (default: a new temp dir)",
+    )
+    demo.add_argument(
+        "--keep", action="store_true", help="keep the work folder and its journals afterwards"
+    )
+    demo.add_argument("--seed", type=int, default=0, help="seed of the request mix (default 0)")
+    demo.set_defaults(func=cmd_demo)
 
     journal = sub.add_parser("journal", help="inspect a journal (directory or segment file)")
     jsub = journal.add_subparsers(dest="journal_command", required=True, metavar="ACTION")

@@ -44,6 +44,10 @@ class Session:
         self.pid, self.uid, self.gid = pid, uid, gid
         self._encoder = FrameEncoder()
         self.closed = False
+        # Requests in flight on this connection (see EngineServer._submit).
+        self.inflight: set[asyncio.Task[None]] = set()
+        self.by_request: dict[str, asyncio.Task[None]] = {}
+        self.barrier: asyncio.Task[None] | None = None
 
     def send(self, message: Any) -> None:
         if self.closed or self.writer.is_closing():
@@ -59,6 +63,9 @@ class Session:
 
 
 Handler = Callable[[Session, Any], Awaitable[rpc.Reply]]
+
+# Requests one connection may have in flight before the server stops reading it.
+MAX_INFLIGHT_PER_CONNECTION = 1024
 
 
 class EngineServer:
@@ -169,13 +176,58 @@ class EngineServer:
             except msgspec.DecodeError as exc:
                 session.send(rpc.Error(0, rpc.BAD_FRAME, f"undecodable body: {exc}"))
                 continue
+            if len(session.inflight) >= MAX_INFLIGHT_PER_CONNECTION:
+                # Backpressure: stop reading until a request finishes.
+                await asyncio.wait(session.inflight, return_when=asyncio.FIRST_COMPLETED)
+            self._submit(session, request, clog)
+
+    def _submit(self, session: Session, request: Any, clog: Any) -> None:
+        """Run a request concurrently with the connection's others, in a safe order.
+
+        Each request waits for the durable journal before its reply, so one
+        at a time per connection would cap an engine at one fsync per
+        request. Requests about one request id still run in arrival order,
+        and those about no request (hello, register_engine, status) are
+        barriers: they wait for everything before them, and everything after
+        waits for them.
+        """
+        key = getattr(request, "request_id", None)
+        if key is None:
+            waits = list(session.inflight)
+        else:
+            waits = [t for t in (session.barrier, session.by_request.get(key)) if t is not None]
+
+        async def run() -> None:
+            for task in waits:
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(task)
             session.send(await self._dispatch(session, request, clog))
+
+        task = asyncio.ensure_future(run())
+        session.inflight.add(task)
+        if key is None:
+            session.barrier = task
+        else:
+            session.by_request[key] = task
+
+        def done(t: asyncio.Task[None]) -> None:
+            session.inflight.discard(t)
+            if key is None:
+                if session.barrier is t:
+                    session.barrier = None
+            elif session.by_request.get(key) is t:
+                del session.by_request[key]
+
+        task.add_done_callback(done)
 
     async def _dispatch(self, session: Session, request: Any, clog: Any) -> rpc.Reply:
         handler = self._handlers[type(request)]
         try:
             return await handler(session, request)
         except Refusal as refusal:
+            # Journaled (durably, before the engine hears of it) so that a
+            # postmortem sees every refusal in order, not only the engine.
+            await self.node.record_refusal(request, refusal)
             return rpc.Error(request.id, refusal.reason.value, refusal.message)
         except RegionError as exc:
             return rpc.Error(request.id, exc.code or rpc.BAD_REGION, str(exc))

@@ -908,6 +908,56 @@ class Journal:
             self._rotate()
         return self._durable_seq
 
+    # -- split-phase commit (group commit off the event loop) ----------------
+
+    def write_pending(self) -> tuple[int, int | None]:
+        """Write buffered records without syncing them.
+
+        Returns ``(written_seq, fd)``: ``fd`` is a duplicate of the segment's
+        descriptor for the caller to ``sync_fd`` (typically in another thread,
+        so the writer keeps appending meanwhile) and then ``mark_durable``; it
+        is None when nothing needs a sync (policy ``never``, or a rotation
+        already synced it). The duplicate keeps the sync valid even if the
+        segment rotates and closes in the meantime.
+        """
+        self._check_usable()
+        if self._buf:
+            buf, self._buf = self._buf, bytearray()
+            self._pending_since = None
+            with self._fatal_on_oserror(f"writing {self._segment_path}"):
+                _write_all(self._sys.write, self._active_fd(), buf)
+            self._segment_size += len(buf)
+            self._unsynced = True
+        written = self._next_seq - 1
+        if self._segment_size >= self._segment_bytes:
+            self._rotate()  # seals (and syncs) the segment holding what was written
+            self._durable_seq = written
+            return written, None
+        if self._policy is FsyncPolicy.NEVER or written <= self._durable_seq:
+            self._durable_seq = written
+            return written, None
+        with self._fatal_on_oserror(f"duplicating the descriptor of {self._segment_path}"):
+            return written, os.dup(self._active_fd())
+
+    def sync_fd(self, fd: int) -> None:
+        """fdatasync a descriptor from :meth:`write_pending` and close it; thread-safe.
+
+        An error is fatal for the journal, exactly like a failed commit.
+        """
+        try:
+            self._sys.fdatasync(fd)
+        except OSError as exc:
+            self._failure = JournalFatal(f"fdatasync of {self._segment_path}: {exc}")
+            raise self._failure from exc
+        finally:
+            os.close(fd)
+
+    def mark_durable(self, seq: int) -> None:
+        """Record that everything up to ``seq`` was synced by :meth:`sync_fd`."""
+        self._check_usable()
+        if seq > self._durable_seq:
+            self._durable_seq = seq
+
     def _write_buffer(self) -> None:
         # Swapped out, never resized in place: a failed write may leave views of
         # it alive (in the traceback), and a bytearray with views cannot shrink.

@@ -143,6 +143,8 @@ class Node:
         }
         self.on_fatal: Callable[[BaseException], None] = lambda exc: None
         self.observers: list[Callable[[Event, object, float], None]] = []
+        # Extra fields for status() from other parts of the service (metrics port).
+        self.status_extras: dict[str, Any] = {}
 
     # ------------------------------------------------------------ start / stop
 
@@ -152,7 +154,8 @@ class Node:
             cfg.journal.dir,
             fsync=cfg.journal.fsync,
             segment_bytes=cfg.journal.segment_mb * 1024 * 1024,
-            commit_window_s=cfg.journal.commit_window_ms / 1000,
+            # The group commit decides when to commit; append() never should.
+            commit_window_s=float("inf"),
         )
         replayed = fold_contents(
             self.journal.take_recovered(),
@@ -184,11 +187,17 @@ class Node:
     def attach_peers(self, manager: Any) -> None:
         self.peers = manager
 
-    async def stop(self) -> None:
-        """Drain: fail what cannot finish in time, make the journal durable, close."""
+    async def drain(self) -> None:
+        """SIGTERM: finish in-flight writes within ``drain_s``, fail the rest.
+
+        New registrations are refused from here on; requests that are not
+        writing stay as they are in the journal and fail as "daemon restart"
+        on the next start, where their engines are told.
+        """
         self.stopping = True
-        deadline = asyncio.get_running_loop().time() + self.config.drain_s
-        while self.writes and asyncio.get_running_loop().time() < deadline:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.drain_s
+        while self.writes and loop.time() < deadline:
             await asyncio.sleep(0.01)
         for rid, task in list(self.writes.items()):
             task.cancel()
@@ -196,19 +205,31 @@ class Node:
                 await task
             record = self.registry.get(rid)
             if record is not None and record.state is WRITING:
-                self._fail(record, Reason.DAEMON_RESTART, "daemon stopped during the write")
+                await self.fail_and_tell(
+                    record, Reason.DAEMON_RESTART, "daemon stopped during the write"
+                )
+
+    async def close(self) -> None:
+        """After drain and after the peer links closed: make durable, release memory."""
+        self.stopping = True
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.commit is not None and self.fatal is None:
-            with contextlib.suppress(JournalFatal):
-                self.commit.commit_now()
+        if self.commit is not None:
+            if self.fatal is None:
+                with contextlib.suppress(JournalFatal):
+                    self.commit.commit_now()
+            self.commit.close()
         for engine in self.engines.values():
             await self._close_engine_memory(engine)
         await self.dataplane.close()
         if self.journal is not None and self.fatal is None:
             with contextlib.suppress(JournalFatal):
                 self.journal.close()
+
+    async def stop(self) -> None:
+        await self.drain()
+        await self.close()
 
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
@@ -256,6 +277,21 @@ class Node:
         if seq:
             await self.durable(seq)
         return seq
+
+    async def record_refusal(self, request: Any, refusal: Refusal) -> None:
+        """Journal a refused engine request; the registry itself is unchanged."""
+        if self.fatal is not None or self.recorder is None:
+            return
+        self.counters["refusals"] += 1
+        event = Refused(
+            getattr(request, "request_id", ""),
+            getattr(request, "incarnation", 0),
+            getattr(request, "engine_id", ""),
+            refusal.reason,
+            refusal.message,
+        )
+        with contextlib.suppress(JournalFatal):
+            await self.record_durably(event)
 
     # ---------------------------------------------------------- engine events
 
@@ -575,6 +611,7 @@ class Node:
             },
             "counters": dict(self.counters),
             "writes_in_flight": len(self.writes),
+            **self.status_extras,
         }
 
     # ------------------------------------------------------------ lifecycle
@@ -802,9 +839,13 @@ class Node:
             return
         state.agent_name = await self.dataplane.add_remote_agent(metadata)
         for engine in engines:
-            if state.engines.get(engine.engine_id) != engine:
-                await self.dataplane.add_remote_engine(state.agent_name, engine)
-                state.engines[engine.engine_id] = engine
+            known = state.engines.get(engine.engine_id)
+            if known == engine:
+                continue
+            if known is not None:
+                await self.dataplane.remove_remote_engine(state.agent_name, engine.engine_id)
+            await self.dataplane.add_remote_engine(state.agent_name, engine)
+            state.engines[engine.engine_id] = engine
 
     def _reconcile(self, node: str) -> None:
         """After (re)connecting, say again what the peer may have missed."""
@@ -874,6 +915,11 @@ class Node:
         self._chain(("peer", node), self.peer_up(node, hello))
 
     def on_peer_down(self, node: str, reason: str) -> None:
+        if self.stopping:
+            # Shutting down: what is live stays in the journal and fails as
+            # "daemon restart" on the next start; journaling now would race
+            # the close of the journal.
+            return
         self._chain(("peer", node), self.peer_down(node, reason))
 
     def on_peer_message(self, node: str, message: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -13,6 +14,9 @@ from daemon.node import Node
 from daemon.peerlink import PeerManager, load_secret
 from daemon.sdnotify import Notifier
 from schemas.config import Config
+
+if TYPE_CHECKING:
+    from daemon.metrics import NodeMetrics
 
 log = structlog.get_logger("kvpushd")
 
@@ -43,11 +47,35 @@ async def _status_updates(notifier: Notifier, node: Node) -> None:
         notifier.status(_status_line(node))
 
 
+# --- metrics hook-up (daemon/metrics.py) ---------------------------------
+
+
+def _attach_metrics(config: Config, node: Node) -> NodeMetrics | None:
+    """Observe the node from before start(), so replay-time events count too."""
+    if not config.metrics_port:
+        return None
+    from daemon.metrics import NodeMetrics  # only daemons with metrics need prometheus_client
+
+    return NodeMetrics(node)
+
+
+async def _serve_metrics(metrics: NodeMetrics, node: Node, port: int) -> int:
+    metrics.hook_group_commit()
+    bound = await metrics.start(port)
+    node.status_extras["metrics_port"] = bound
+    log.info("metrics endpoint", url=f"http://127.0.0.1:{bound}/metrics")
+    return bound
+
+
+# ---------------------------------------------------------------------------
+
+
 async def serve(config: Config, notifier: Notifier | None = None) -> int:
     notifier = notifier or Notifier()
     stop = asyncio.Event()
     node = Node(config)
     node.on_fatal = lambda exc: stop.set()
+    metrics = _attach_metrics(config, node)
     await node.start()
     await node.load_metadata()
 
@@ -69,6 +97,10 @@ async def serve(config: Config, notifier: Notifier | None = None) -> int:
         )
         node.attach_peers(peers)
         await peers.start()
+
+    if metrics is not None:
+        # Before the engine socket opens, so every status reply has the port.
+        await _serve_metrics(metrics, node, config.metrics_port)
 
     server = EngineServer(
         config.socket,
@@ -105,10 +137,13 @@ async def serve(config: Config, notifier: Notifier | None = None) -> int:
     notifier.stopping("draining")
     log.info("draining", live=len(node.registry.live), writes=len(node.writes))
     server.stop_accepting()
-    await node.stop()
+    await node.drain()
     if peers is not None:
         await peers.close()
+    await node.close()
     await server.close()
+    if metrics is not None:
+        await metrics.close()
     for task in background:
         task.cancel()
     with contextlib.suppress(asyncio.CancelledError):

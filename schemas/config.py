@@ -27,7 +27,9 @@ class PeerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class JournalConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dir: str = ""  # empty: $STATE_DIRECTORY/NODE, else ~/.local/state/kvpushd/NODE
     fsync: FsyncPolicy = FsyncPolicy.BATCH
-    commit_window_ms: float = 1.0
+    # 0: commit as soon as the loop is idle; appends made while a sync is in
+    # flight ride the next one, which is what groups them.
+    commit_window_ms: float = 0.0
     segment_mb: int = 64
     snapshot_every: int = 100_000  # records between snapshots
     retain_segments: int = 2

@@ -81,14 +81,16 @@ class Daemon:
             f'listen = "127.0.0.1:{self.port}"',
             f'secret_file = "{secret}"',
             "heartbeat_s = 0.2",
-            "peer_ttl_s = 1.5",
+            # Generous: a loaded 2-core CI box must not declare a live peer dead.
+            "peer_ttl_s = 3.0",
             "drain_s = 2.0",
             'log_level = "info"',
         ]
+        # Top-level keys from `extra` must come before the first table.
+        lines += [self.extra]
         for node, port in self.peers:
             lines += ["[[peers]]", f'node = "{node}"', f'address = "127.0.0.1:{port}"']
         lines += ["[journal]", f'dir = "{self.journal}"', 'fsync = "batch"']
-        lines += [self.extra]
         path = self.workdir / f"{self.node}.toml"
         path.write_text("\n".join(lines) + "\n")
         return path

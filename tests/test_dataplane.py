@@ -534,6 +534,16 @@ async def test_unknown_backend_fails_to_start() -> None:
     assert info.value.code == "backend"
 
 
+async def test_backend_that_cannot_start_fails_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Shared-memory-only UCX transports cannot start (NIXL-FACTS); UCX reads
+    # the variable when the backend is created.
+    monkeypatch.setenv("UCX_TLS", "shm")
+    dp = DataPlane(_unique("shm"))
+    with pytest.raises(DataPlaneError, match="UCX_TLS") as info:
+        await dp.start()
+    assert info.value.code == "backend"
+
+
 async def test_close_is_idempotent_and_refuses_later_calls(engines: Callable[..., Engine]) -> None:
     dp = DataPlane(_unique("c"))
     await dp.start()
