@@ -32,6 +32,8 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench.journal_bench
 	$(BIN)/python -m bench.core_bench
+	$(BIN)/python -m bench.nixl_bare
+	$(BIN)/python -m bench.daemon_bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

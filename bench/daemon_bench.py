@@ -81,8 +81,9 @@ async def lifecycle_rate(
     """Requests/s of the whole lifecycle for one-block requests, and per-request latencies."""
     prefill, decode = pair
     blocks = concurrency * 2
-    p, p_path = await _engine(prefill.socket, "rate-p", blocks)
-    d, d_path = await _engine(decode.socket, "rate-d", blocks)
+    p_id, d_id = f"rate-p{concurrency}", f"rate-d{concurrency}"
+    p, p_path = await _engine(prefill.socket, p_id, blocks)
+    d, d_path = await _engine(decode.socket, d_id, blocks)
     arrived: dict[str, asyncio.Future[None]] = {}
     freed: dict[str, asyncio.Future[None]] = {}
 
@@ -105,8 +106,8 @@ async def lifecycle_rate(
         arrived[rid] = loop.create_future()
         freed[rid] = loop.create_future()
         t0 = time.perf_counter()
-        await d.register_request("rate-d", rid, Role.RECEIVER, [[slot]], peer="prefill")
-        await p.register_request("rate-p", rid, Role.PUSHER, [[slot]])
+        await d.register_request(d_id, rid, Role.RECEIVER, [[slot]], peer="prefill")
+        await p.register_request(p_id, rid, Role.PUSHER, [[slot]])
         t_kv = time.perf_counter()
         await p.kv_ready(rid)
         await asyncio.gather(arrived[rid], freed[rid])

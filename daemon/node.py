@@ -258,6 +258,7 @@ class Node:
     def record(self, event: Event) -> int:
         assert self.recorder is not None
         record, touched = self.recorder.record(event)
+        self._log_event(event, record.seq)
         for observe in self.observers:
             observe(event, touched, record.ts)
         self.records_since_snapshot += 1
@@ -265,6 +266,29 @@ class Node:
             self.records_since_snapshot = 0
             self.recorder.snapshot(retain_segments=self.config.journal.retain_segments)
         return record.seq
+
+    def _log_event(self, event: Event, seq: int) -> None:
+        request_id = getattr(event, "request_id", None)
+        if request_id is None:
+            return
+        name = type(event).__name__
+        if isinstance(event, Failed | Refused):
+            self.log.warning(
+                "request failed" if isinstance(event, Failed) else "request refused",
+                request_id=request_id,
+                incarnation=event.incarnation,
+                reason=event.reason.value,
+                detail=event.message,
+                seq=seq,
+            )
+        else:
+            self.log.debug(
+                "transition",
+                request_id=request_id,
+                incarnation=event.incarnation,
+                event=name,
+                seq=seq,
+            )
 
     async def durable(self, seq: int) -> None:
         assert self.commit is not None
