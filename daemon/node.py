@@ -286,7 +286,7 @@ class Node:
                 "transition",
                 request_id=request_id,
                 incarnation=event.incarnation,
-                event=name,
+                kind=name,
                 seq=seq,
             )
 
