@@ -1,12 +1,15 @@
-"""Tests of the engine client library and the simulated engine.
+"""Tests of the engine client library and the simulated engine against fake daemons.
 
-The daemon is written elsewhere, so these tests run the client against a small
-real asyncio Unix-socket server defined here that speaks the schemas
-(:class:`FakeDaemon`): real frames on a real socket, with the server's
-replies, their order and timing under each test's control. The simulated
-engine is exercised the same way against :class:`LoopbackDaemon`, which also
-copies KV bytes between the engines' shared memory as a push would (optionally
-with the front-trim bug, which the engine must catch).
+The real daemon never replies out of order on purpose, sends a wrong reply
+kind, or writes KV into the wrong blocks, so the client's and the simulated
+engine's handling of those cannot be tested against it. These tests use a
+small asyncio Unix-socket server that speaks the schemas (:class:`FakeDaemon`,
+``..._with_fake_daemon``): real frames on a real socket, with replies, order
+and timing under each test's control; and :class:`LoopbackDaemon`
+(``..._with_loopback_fake_daemon``), which copies KV bytes between engines'
+shared memory as a push would, optionally with injected faults such as the
+front-trim bug, which the simulated engine must catch. The client and the
+simulated engine against the real daemons are tested in test_e2e.py.
 """
 
 from __future__ import annotations
@@ -174,7 +177,7 @@ REGIONS = (RegionSpec("r", 512, path="/dev/shm/none"),)
 # ------------------------------------------------------------ client: basics
 
 
-async def test_connect_says_hello_and_calls_get_their_replies(
+async def test_connect_says_hello_and_calls_get_their_replies_with_fake_daemon(
     daemon: FakeDaemon, client: EngineClient
 ) -> None:
     assert (client.node, client.server_version, client.protocol) == ("fake", "t", 1)
@@ -185,7 +188,7 @@ async def test_connect_says_hello_and_calls_get_their_replies(
     assert await client.status() == {"node": "fake", "conns": 1}
 
 
-async def test_out_of_order_replies_reach_their_own_callers(
+async def test_out_of_order_replies_reach_their_own_callers_with_fake_daemon(
     daemon: FakeDaemon, client: EngineClient
 ) -> None:
     daemon.manual.add("register_request")
@@ -202,7 +205,7 @@ async def test_out_of_order_replies_reach_their_own_callers(
     assert [r.state for r in results] == [f"got:r{i}" for i in range(5)]
 
 
-async def test_events_are_delivered_while_a_call_is_pending(
+async def test_events_are_delivered_while_a_call_is_pending_with_fake_daemon(
     daemon: FakeDaemon, client: EngineClient
 ) -> None:
     daemon.manual.add("release")
@@ -217,7 +220,7 @@ async def test_events_are_delivered_while_a_call_is_pending(
     assert await client.next_event(timeout=2) == rpc.Released("r1", 1)
 
 
-async def test_error_reply_raises_rpc_error_with_its_code(
+async def test_error_reply_raises_rpc_error_with_its_code_with_fake_daemon(
     daemon: FakeDaemon, client: EngineClient
 ) -> None:
     daemon.manual.update({"register_request", "kv_ready"})
@@ -238,7 +241,7 @@ async def test_error_reply_raises_rpc_error_with_its_code(
     assert info.value.code == "bad_request" and info.value.reason is None
 
 
-async def test_wrong_reply_kind_and_undecodable_reply_fail_only_that_call(
+async def test_wrong_reply_kind_and_undecodable_reply_fail_only_that_call_with_fake_daemon(
     daemon: FakeDaemon, client: EngineClient
 ) -> None:
     daemon.manual.update({"kv_ready", "abort"})
@@ -265,7 +268,7 @@ async def test_wrong_reply_kind_and_undecodable_reply_fail_only_that_call(
     assert await client.status() == {"node": "fake", "conns": 1}
 
 
-async def test_call_timeout_then_late_reply_is_dropped(
+async def test_call_timeout_then_late_reply_is_dropped_with_fake_daemon(
     daemon: FakeDaemon, client: EngineClient
 ) -> None:
     daemon.manual.add("kv_ready")
@@ -280,7 +283,7 @@ async def test_call_timeout_then_late_reply_is_dropped(
         await client.next_event(timeout=0.01)
 
 
-async def test_connection_loss_fails_pending_calls_and_ends_events(
+async def test_connection_loss_fails_pending_calls_and_ends_events_with_fake_daemon(
     daemon: FakeDaemon, client: EngineClient
 ) -> None:
     daemon.manual.update({"kv_ready", "release"})
@@ -312,7 +315,9 @@ async def test_connection_loss_fails_pending_calls_and_ends_events(
         await client.next_event(timeout=1)
 
 
-async def test_close_fails_pending_calls(daemon: FakeDaemon, client: EngineClient) -> None:
+async def test_close_fails_pending_calls_with_fake_daemon(
+    daemon: FakeDaemon, client: EngineClient
+) -> None:
     daemon.manual.add("status")
     call = asyncio.create_task(client.status())
     await daemon.conns[0].inbox.get()
@@ -322,7 +327,7 @@ async def test_close_fails_pending_calls(daemon: FakeDaemon, client: EngineClien
     await client.close()  # idempotent
 
 
-async def test_connect_failures(daemon: FakeDaemon, sock_dir: str) -> None:
+async def test_connect_failures_with_fake_daemon(daemon: FakeDaemon, sock_dir: str) -> None:
     with pytest.raises(ConnectionLost, match="cannot connect"):
         await EngineClient.connect(os.path.join(sock_dir, "absent.sock"))
     daemon.protocol = 99
@@ -339,7 +344,7 @@ async def test_connect_failures(daemon: FakeDaemon, sock_dir: str) -> None:
         await connecting
 
 
-async def test_refused_connection_says_why(daemon: FakeDaemon) -> None:
+async def test_refused_connection_says_why_with_fake_daemon(daemon: FakeDaemon) -> None:
     daemon.refuse = True
     with pytest.raises(ConnectionLost, match="permission_denied") as info:
         await EngineClient.connect(daemon.path)
@@ -355,7 +360,9 @@ async def _connected(daemon: FakeDaemon, n: int) -> bool:
     return False
 
 
-async def test_request_over_the_frame_limit_is_not_sent(daemon: FakeDaemon) -> None:
+async def test_request_over_the_frame_limit_is_not_sent_with_fake_daemon(
+    daemon: FakeDaemon,
+) -> None:
     async with await EngineClient.connect(daemon.path, max_frame_bytes=1024) as c:
         with pytest.raises(RequestTooLarge):
             await c.register_request("e", "r", "pusher", [list(range(2000))])
@@ -363,14 +370,16 @@ async def test_request_over_the_frame_limit_is_not_sent(daemon: FakeDaemon) -> N
         assert await c.status() == {"node": "fake", "conns": 1}
 
 
-async def test_oversized_frame_from_the_daemon_ends_the_connection(daemon: FakeDaemon) -> None:
+async def test_oversized_frame_from_the_daemon_ends_the_connection_with_fake_daemon(
+    daemon: FakeDaemon,
+) -> None:
     async with await EngineClient.connect(daemon.path, max_frame_bytes=1024) as c:
         await daemon.conns[0].send_raw(b"x" * 2048)
         with pytest.raises(ConnectionLost, match="exceeds"):
             await c.next_event(timeout=2)
 
 
-async def test_event_callback_and_queue_switch(daemon: FakeDaemon) -> None:
+async def test_event_callback_and_queue_switch_with_fake_daemon(daemon: FakeDaemon) -> None:
     seen: list[rpc.Event] = []
     async with await EngineClient.connect(
         daemon.path, on_event=seen.append, queue_events=False
@@ -385,7 +394,7 @@ async def test_event_callback_and_queue_switch(daemon: FakeDaemon) -> None:
 # --------------------------------------------------------- blocking wrapper
 
 
-async def test_blocking_client_from_plain_threads(daemon: FakeDaemon) -> None:
+async def test_blocking_client_from_plain_threads_with_fake_daemon(daemon: FakeDaemon) -> None:
     daemon.manual.add("kv_ready")
 
     async def answer_kv_ready() -> None:
@@ -444,7 +453,7 @@ def _error_on_release(
     return wrapped
 
 
-async def test_blocking_client_sees_connection_loss(daemon: FakeDaemon) -> None:
+async def test_blocking_client_sees_connection_loss_with_fake_daemon(daemon: FakeDaemon) -> None:
     def engine_side() -> tuple[list[rpc.Event], type[BaseException] | None]:
         c = BlockingEngineClient.connect(daemon.path)
         try:
@@ -566,7 +575,9 @@ async def _engines(loopback: LoopbackDaemon, name: str) -> tuple[SimEngine, SimE
     return p, d
 
 
-async def test_sim_engines_push_verify_and_clean_up(loopback: LoopbackDaemon) -> None:
+async def test_sim_engines_push_verify_and_clean_up_with_loopback_fake_daemon(
+    loopback: LoopbackDaemon,
+) -> None:
     p, d = await _engines(loopback, "ok")
     paths = p.shm_paths + d.shm_paths
     assert paths == tuple(
@@ -591,7 +602,9 @@ async def test_sim_engines_push_verify_and_clean_up(loopback: LoopbackDaemon) ->
     assert not any(os.path.exists(path) for path in paths)
 
 
-async def test_sim_engine_catches_a_front_trim(loopback: LoopbackDaemon) -> None:
+async def test_sim_engine_catches_a_front_trim_with_loopback_fake_daemon(
+    loopback: LoopbackDaemon,
+) -> None:
     loopback.front_trim = True
     p, d = await _engines(loopback, "ft")
     async with p, d:
@@ -612,7 +625,9 @@ async def test_sim_engine_catches_a_front_trim(loopback: LoopbackDaemon) -> None
             report.raise_if_bad()
 
 
-async def test_sim_engine_catches_a_write_into_another_block(loopback: LoopbackDaemon) -> None:
+async def test_sim_engine_catches_a_write_into_another_block_with_loopback_fake_daemon(
+    loopback: LoopbackDaemon,
+) -> None:
     loopback.stray_write = (0, 12)
     p, d = await _engines(loopback, "sw")
     async with p, d:
@@ -626,7 +641,9 @@ async def test_sim_engine_catches_a_write_into_another_block(loopback: LoopbackD
         assert [(c.group, c.layer, c.block) for c in report.changes] == [(0, 0, 12)]
 
 
-async def test_sim_engine_catches_a_write_into_the_source(loopback: LoopbackDaemon) -> None:
+async def test_sim_engine_catches_a_write_into_the_source_with_loopback_fake_daemon(
+    loopback: LoopbackDaemon,
+) -> None:
     loopback.write_source = True
     p, d = await _engines(loopback, "ws")
     async with p, d:
@@ -639,7 +656,9 @@ async def test_sim_engine_catches_a_write_into_the_source(loopback: LoopbackDaem
             d.verify_source("r1")
 
 
-async def test_sim_engine_tolerates_other_requests_in_flight(loopback: LoopbackDaemon) -> None:
+async def test_sim_engine_tolerates_other_requests_in_flight_with_loopback_fake_daemon(
+    loopback: LoopbackDaemon,
+) -> None:
     """Blocks of a request still waiting for its KV may change under another's check."""
     p, d = await _engines(loopback, "mf")
     async with p, d:
@@ -656,7 +675,9 @@ async def test_sim_engine_tolerates_other_requests_in_flight(loopback: LoopbackD
             await d.prefill("c", [[0], []])
 
 
-async def test_sim_engine_refused_duplicate_keeps_the_original(loopback: LoopbackDaemon) -> None:
+async def test_sim_engine_refused_duplicate_keeps_the_original_with_loopback_fake_daemon(
+    loopback: LoopbackDaemon,
+) -> None:
     p, d = await _engines(loopback, "dup")
     loopback.manual.add("register_request")
     async with p, d:
@@ -715,7 +736,9 @@ class SimProcess:
         return await self.next_line("reply", cmd)
 
 
-async def test_sim_engine_processes_push_and_verify(loopback: LoopbackDaemon) -> None:
+async def test_sim_engine_processes_push_and_verify_with_loopback_fake_daemon(
+    loopback: LoopbackDaemon,
+) -> None:
     p = await SimProcess.start("P", "pusher", loopback.path, _prefix("procP"))
     d = await SimProcess.start("D", "receiver", loopback.path, _prefix("procD"))
     ready = [await p.next_line("event", "ready"), await d.next_line("event", "ready")]
@@ -754,7 +777,7 @@ async def test_sim_engine_process_exits_2_without_a_daemon(sock_dir: str) -> Non
     assert not list(SHM.glob(f"{_prefix('nod')}-*"))
 
 
-async def test_blocking_close_releases_threads_blocked_in_calls(
+async def test_blocking_close_releases_threads_blocked_in_calls_with_fake_daemon(
     daemon: FakeDaemon, sock_dir: str
 ) -> None:
     daemon.manual.add("status")
@@ -790,7 +813,9 @@ async def test_blocking_close_releases_threads_blocked_in_calls(
     assert await asyncio.to_thread(engine_side) == ["lost", "lost"]
 
 
-async def test_sim_engine_process_scripted_mode(loopback: LoopbackDaemon, sock_dir: str) -> None:
+async def test_sim_engine_process_scripted_mode_with_loopback_fake_daemon(
+    loopback: LoopbackDaemon, sock_dir: str
+) -> None:
     script = Path(sock_dir) / "commands.jsonl"
     script.write_text('{"cmd": "status", "tag": 1}\n\nnot json\n{"cmd": "bogus"}\n')
     proc = await SimProcess.start(
