@@ -186,6 +186,11 @@ def encode_record(record: Record) -> bytes:
     return _encoder.encode(record)
 
 
+def record_decoder() -> msgspec.msgpack.Decoder[Record]:
+    """A decoder of records, for loops that decode millions of them."""
+    return msgspec.msgpack.Decoder(Record)
+
+
 def decode_record(payload: bytes | memoryview) -> Record:
     """Decode one record; raises ``msgspec.DecodeError`` or ``ValidationError``."""
     return _decoder.decode(payload)
