@@ -40,7 +40,9 @@ from typing import Any, Final, TypeVar
 
 import numpy as np
 
+from daemon import failpoints
 from daemon.memory import MappedRegion
+from daemon.vram import VramRegion
 from schemas.events import Blocks
 from schemas.kvlayout import EngineSpec, GroupSpec, MemoryKind, RemoteEngine, RemoteGroup
 
@@ -57,6 +59,11 @@ MAX_DESCRIPTORS: Final = 2**31 - 1
 _PR_SET_TIMERSLACK: Final = 29
 
 NotificationHandler = Callable[[str, bytes], None]
+
+# GPU KV caches: an engine's regions are DRAM (/dev/shm, daemon.memory) or VRAM
+# (CUDA IPC, daemon.vram); NIXL names the two like this. One kind per engine.
+Region = MappedRegion | VramRegion
+NIXL_MEM: Final[dict[MemoryKind, str]] = {MemoryKind.DRAM: "DRAM", MemoryKind.VRAM: "VRAM"}
 
 
 class DataPlaneError(Exception):
@@ -213,15 +220,18 @@ def build_indices(
     )
 
 
-def _local_remote_engine(spec: EngineSpec, regions: Mapping[str, MappedRegion]) -> RemoteEngine:
+def _local_remote_engine(spec: EngineSpec, regions: Mapping[str, Region]) -> RemoteEngine:
     """Validate a local engine against its mapped regions; the view peers need."""
     by_name = {r.name: r for r in spec.regions}
     for r in spec.regions:
         mapped = regions.get(r.name)
         if mapped is None or mapped.closed:
             raise DataPlaneError(f"region {r.name!r} is not mapped", code="bad_layout")
-        if mapped.memory is not MemoryKind.DRAM or r.memory is not MemoryKind.DRAM:
-            raise DataPlaneError(f"region {r.name!r}: only DRAM is supported", code="bad_layout")
+        if mapped.memory is not r.memory:  # VRAM: opened by daemon.vram, not mapped
+            raise DataPlaneError(
+                f"region {r.name!r} is declared {r.memory.value}, opened as {mapped.memory.value}",
+                code="bad_layout",
+            )
         if mapped.size != r.size:
             raise DataPlaneError(
                 f"region {r.name!r} is mapped with {mapped.size} bytes, spec says {r.size}",
@@ -230,11 +240,29 @@ def _local_remote_engine(spec: EngineSpec, regions: Mapping[str, MappedRegion]) 
     groups = []
     for g, group in enumerate(spec.groups):
         groups.append(_local_group(g, group, by_name, regions))
-    return RemoteEngine(spec.engine_id, MemoryKind.DRAM, 0, tuple(groups))
+    memory, device = _engine_memory(spec, regions)
+    return RemoteEngine(spec.engine_id, memory, device, tuple(groups))
+
+
+def _engine_memory(spec: EngineSpec, regions: Mapping[str, Region]) -> tuple[MemoryKind, int]:
+    """Where all of an engine's regions live: one NIXL memory type and device per engine.
+
+    A descriptor list has one memory type and RemoteEngine one (memory,
+    device), so an engine mixing DRAM and VRAM, or two GPUs, is refused.
+    """
+    places = {(regions[r.name].memory, regions[r.name].device) for r in spec.regions}
+    if len(places) > 1:
+        found = ", ".join(f"{m.value} device {d}" for m, d in sorted(places))
+        raise DataPlaneError(
+            f"engine {spec.engine_id!r}: regions must all be DRAM or all VRAM on one device,"
+            f" found {found}",
+            code="bad_layout",
+        )
+    return places.pop() if places else (MemoryKind.DRAM, 0)
 
 
 def _local_group(
-    g: int, group: GroupSpec, specs: Mapping[str, object], regions: Mapping[str, MappedRegion]
+    g: int, group: GroupSpec, specs: Mapping[str, object], regions: Mapping[str, Region]
 ) -> RemoteGroup:
     if group.block_bytes <= 0 or group.num_blocks <= 0 or not group.layers:
         raise DataPlaneError(
@@ -262,9 +290,12 @@ def _local_group(
 
 
 def _check_remote_engine(engine: RemoteEngine) -> None:
-    if engine.memory is not MemoryKind.DRAM:
+    # DRAM and VRAM both accepted (NIXL_MEM); the device id goes into every descriptor row.
+    if engine.memory not in NIXL_MEM or engine.device < 0:
         raise DataPlaneError(
-            f"remote engine {engine.engine_id!r}: only DRAM is supported", code="bad_layout"
+            f"remote engine {engine.engine_id!r}: unsupported memory"
+            f" {engine.memory} device {engine.device}",
+            code="bad_layout",
         )
     for g, group in enumerate(engine.groups):
         if group.block_bytes <= 0 or group.num_blocks <= 0 or not group.layer_addrs:
@@ -506,6 +537,7 @@ class _Worker:
             return
         t0 = time.perf_counter()
         try:
+            failpoints.hit("nixl.post")
             handle = st.agent.make_prepped_xfer(
                 "WRITE", local.dlist, post.lidx, remote, post.ridx, notif_msg=post.notif
             )
@@ -516,6 +548,7 @@ class _Worker:
         try:
             # With cma the whole copy happens inside this call (it drops the GIL).
             state = st.agent.transfer(handle)
+            failpoints.hit("nixl.posted")
         except Exception as exc:
             self._release_xfer(handle)
             self._resolve(post.fut, exc=_wrap(exc, "transfer", TransferError))
@@ -586,18 +619,19 @@ class _Worker:
 
     # ---- operations called through _Call ---------------------------------
 
-    def add_local(self, engine: RemoteEngine, regions: Sequence[MappedRegion]) -> None:
+    def add_local(self, engine: RemoteEngine, regions: Sequence[Region]) -> None:
         st = self.st
         if engine.engine_id in st.local:
             raise DataPlaneError(
                 f"local engine {engine.engine_id!r} already added", code="duplicate"
             )
+        mem = NIXL_MEM[engine.memory]  # VRAM rows carry the CUDA device index here
         reg_dlists: list[Any] = []
         try:
             for region in regions:
-                rows = np.array([[region.base, region.size, 0]], dtype=np.uint64)
-                reg_dlists.append(st.agent.register_memory(rows, "DRAM"))
-            dlist = st.agent.prep_xfer_dlist("NIXL_INIT_AGENT", descriptor_rows(engine), "DRAM")
+                rows = np.array([[region.base, region.size, region.device]], dtype=np.uint64)
+                reg_dlists.append(st.agent.register_memory(rows, mem))
+            dlist = st.agent.prep_xfer_dlist("NIXL_INIT_AGENT", descriptor_rows(engine), mem)
         except Exception:
             for reg in reg_dlists:
                 with contextlib.suppress(Exception):
@@ -642,7 +676,9 @@ class _Worker:
                 code="duplicate",
             )
         try:
-            dlist = st.agent.prep_xfer_dlist(agent_name, descriptor_rows(engine), "DRAM")
+            dlist = st.agent.prep_xfer_dlist(
+                agent_name, descriptor_rows(engine), NIXL_MEM[engine.memory]
+            )
         except Exception as exc:
             raise DataPlaneError(
                 f"cannot prepare remote engine {engine.engine_id!r} of {agent_name!r}:"
@@ -879,7 +915,7 @@ class DataPlane:
         return await self._call(lambda: bytes(worker.st.agent.get_agent_metadata()))
 
     async def add_local_engine(
-        self, spec: EngineSpec, regions: Mapping[str, MappedRegion]
+        self, spec: EngineSpec, regions: Mapping[str, Region]
     ) -> RemoteEngine:
         """Register the engine's regions and prepare its descriptor list.
 

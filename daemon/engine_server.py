@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 import structlog
 
+from daemon import failpoints
 from daemon.framing import EmptyFrame, FrameEncoder, FrameTooLarge, read_frame
 from daemon.memory import RegionError
 from schemas import rpc
@@ -50,6 +51,7 @@ class Session:
         self.barrier: asyncio.Task[None] | None = None
 
     def send(self, message: Any) -> None:
+        failpoints.hit("engine.reply")
         if self.closed or self.writer.is_closing():
             return
         self.writer.write(self._encoder.encode(message))
@@ -156,6 +158,8 @@ class EngineServer:
 
     async def _loop(self, reader: asyncio.StreamReader, session: Session, clog: Any) -> None:
         while True:
+            if not await _replies_drained(session.writer):
+                return
             try:
                 body = await read_frame(reader, self.max_frame_bytes)
             except (asyncio.IncompleteReadError, ConnectionError):
@@ -250,6 +254,18 @@ class EngineServer:
         return rpc.StatusReply(req.id, self.node.status())
 
 
+async def _replies_drained(writer: asyncio.StreamWriter) -> bool:
+    """Wait while the connection's unsent replies are over the transport's high-water mark.
+
+    Backpressure on the reply side: a client that sends requests but never
+    reads its replies would otherwise make the daemon buffer replies without
+    bound (every reply is written without waiting). Not reading its next
+    request until the buffer drains bounds that buffer to the high-water mark
+    plus the replies of the requests in flight. False: the connection is gone.
+    """
+    return True  # TEMP-PROBE
+
+
 def _version() -> str:
     from daemon.node import VERSION
 
@@ -262,6 +278,9 @@ def _request_id(body: bytes) -> int:
         raw = msgspec.msgpack.decode(body)
     except msgspec.DecodeError:
         return 0
-    if isinstance(raw, dict) and isinstance(raw.get("id"), int):
-        return raw["id"]
+    request_id = raw.get("id") if isinstance(raw, dict) else None
+    # bool is an int subclass, but an Error with a bool id is itself
+    # undecodable for the client (the reply's id is typed int).
+    if isinstance(request_id, int) and not isinstance(request_id, bool):
+        return request_id
     return 0

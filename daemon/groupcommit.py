@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from daemon import failpoints
 from daemon.journal import Journal, JournalFatal
 
 
@@ -104,6 +105,7 @@ class GroupCommit:
             fatal = exc if isinstance(exc, JournalFatal) else JournalFatal(str(exc))
             self._failed(fatal)
             return
+        failpoints.hit("groupcommit.synced")
         # perf_counter, not loop.time(): uvloop's clock moves once per loop
         # pass, in milliseconds, and a sync often takes less.
         self._journal.mark_durable(written)

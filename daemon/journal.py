@@ -115,6 +115,7 @@ from typing import NamedTuple, NoReturn, Self, TypeAlias
 
 from crc32c import crc32c
 
+from daemon import failpoints
 from schemas.config import FsyncPolicy
 
 __all__ = [
@@ -874,6 +875,7 @@ class Journal:
         """Buffer one record and return its seq; may commit (see the class doc)."""
         # The hot path of the daemon: framing is inlined rather than shared
         # with _frame_header, as each Python call costs ~10% of an append.
+        failpoints.hit("journal.append")
         if self._failure is not None or self._closed:
             self._check_usable()
         length = len(payload)
@@ -925,6 +927,7 @@ class Journal:
             buf, self._buf = self._buf, bytearray()
             self._pending_since = None
             with self._fatal_on_oserror(f"writing {self._segment_path}"):
+                failpoints.hit("journal.write")
                 _write_all(self._sys.write, self._active_fd(), buf)
             self._segment_size += len(buf)
             self._unsynced = True
@@ -945,6 +948,7 @@ class Journal:
         An error is fatal for the journal, exactly like a failed commit.
         """
         try:
+            failpoints.hit("journal.sync_fd")
             self._sys.fdatasync(fd)
         except OSError as exc:
             self._failure = JournalFatal(f"fdatasync of {self._segment_path}: {exc}")
@@ -964,6 +968,7 @@ class Journal:
         buf, self._buf = self._buf, bytearray()
         self._pending_since = None
         with self._fatal_on_oserror(f"writing {self._segment_path}"):
+            failpoints.hit("journal.write")
             _write_all(self._sys.write, self._active_fd(), buf)
         self._segment_size += len(buf)
         self._unsynced = True
@@ -973,6 +978,7 @@ class Journal:
 
     def _sync_segment(self) -> None:
         with self._fatal_on_oserror(f"fdatasync of {self._segment_path}"):
+            failpoints.hit("journal.fdatasync")
             self._sys.fdatasync(self._active_fd())
         self._unsynced = False
 
@@ -988,6 +994,7 @@ class Journal:
         first_seq = self._next_seq
         path = self._directory / segment_name(first_seq)
         with self._fatal_on_oserror(f"creating {path}"):
+            failpoints.hit("journal.rotate")
             self._fd = _create_durably(path, _pack_file_header(SEGMENT_MAGIC, first_seq), self._sys)
         self._segment_path = path
         self._segment_size = HEADER_SIZE
@@ -1014,6 +1021,7 @@ class Journal:
         data = _pack_file_header(SNAPSHOT_MAGIC, seq) + _frame_header(payload) + payload
         path = self._directory / snapshot_name(seq)
         with self._fatal_on_oserror(f"writing {path}"):
+            failpoints.hit("journal.snapshot")
             os.close(_create_durably(path, data, self._sys))
         self._snapshot_seq = seq
         return path

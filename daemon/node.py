@@ -29,12 +29,14 @@ from typing import Any
 import msgspec
 import structlog
 
+from daemon import failpoints
 from daemon.dataplane import DataPlane, DataPlaneError
 from daemon.groupcommit import GroupCommit
-from daemon.journal import Journal, JournalFatal
+from daemon.journal import MAX_RECORD_BYTES, Journal, JournalFatal
 from daemon.memory import MappedRegion, OffloadPool, RegionError, map_dram_region
 from daemon.recorder import Recorder
 from daemon.replay import fold_contents
+from daemon.vram import VramRegion, open_vram_region
 from schemas import peer as pm
 from schemas import rpc
 from schemas.config import Config
@@ -63,6 +65,10 @@ DONE, RELEASED, FAILED = State.DONE, State.RELEASED, State.FAILED
 AWAITING_DATA = (REGISTERED, WRITING)
 
 log = structlog.get_logger("kvpushd.node")
+# Room for a record's envelope (version, node, seq, time) or a Forward's other
+# fields around a registration's blocks.
+_RECORD_HEADROOM = 4096
+_size_encoder = msgspec.msgpack.Encoder()
 
 
 class EngineSession:
@@ -79,7 +85,7 @@ class EngineSession:
 @dataclass
 class EngineState:
     spec: EngineSpec
-    regions: dict[str, MappedRegion]
+    regions: dict[str, MappedRegion | VramRegion]  # VRAM: GPU KV caches (daemon/vram.py)
     remote: RemoteEngine
     session: EngineSession | None
     offload: OffloadPool | None = None
@@ -401,8 +407,13 @@ class Node:
             existing.session = session
             self._resend_outcomes(req.engine_id)
             return rpc.Ok(req.id)
+        if req.offload is not None and req.offload.memory is not MemoryKind.DRAM:
+            # Offload pools are zeroed and handed out by the daemon: host memory only.
+            raise RegionError(f"offload region {req.offload.name!r}: offload pools are DRAM only")
         attach = self.registry.check_attach(spec.layout())
-        regions = self._map_regions(spec, session.uid)
+        # Off the loop: opening the first VRAM region initializes CUDA in this
+        # process (seconds), which must not stall heartbeats or other engines' RPCs.
+        regions = await asyncio.to_thread(self._map_regions, spec, session.uid)
         try:
             remote = await self.dataplane.add_local_engine(spec, regions)
         except DataPlaneError as exc:
@@ -426,13 +437,14 @@ class Node:
         self.log.info("engine registered", engine=req.engine_id, groups=len(req.groups))
         return rpc.Ok(req.id)
 
-    def _map_one(self, region: Any, uid: int) -> MappedRegion:
-        if region.memory is not MemoryKind.DRAM:
-            raise RegionError(f"region {region.name}: only DRAM regions are supported here")
+    def _map_one(self, region: Any, uid: int) -> MappedRegion | VramRegion:
+        # GPU KV caches come as CUDA IPC handles, opened on their GPU (daemon/vram.py).
+        if region.memory is MemoryKind.VRAM:
+            return open_vram_region(region, owner_uid=uid)
         return map_dram_region(region, owner_uid=uid)
 
-    def _map_regions(self, spec: EngineSpec, uid: int) -> dict[str, MappedRegion]:
-        regions: dict[str, MappedRegion] = {}
+    def _map_regions(self, spec: EngineSpec, uid: int) -> dict[str, MappedRegion | VramRegion]:
+        regions: dict[str, MappedRegion | VramRegion] = {}
         try:
             for region in spec.regions:
                 if region.name in regions:
@@ -453,9 +465,40 @@ class Node:
             engine.offload_region.close()
 
     def engine_disconnected(self, session: EngineSession) -> None:
-        for engine in self.engines.values():
+        for engine_id, engine in list(self.engines.items()):
             if engine.session is session:
                 engine.session = None
+                self._detach_if_idle(engine_id)
+
+    def _detach_if_idle(self, engine_id: str) -> None:
+        """Forget an engine that has no connection and no live request, and unmap its memory.
+
+        Its memory is only needed while a request may still write into it; an
+        engine that comes back registers (and is mapped) again. Without this
+        (found by tests/test_load.py) the daemon kept every departed engine's
+        shared memory mapped, the files unlinked but their pages pinned, and
+        its NIXL registrations, for as long as it ran. With live requests the
+        engine stays until the last one is released (see _on_released).
+        """
+        engine = self.engines.get(engine_id)
+        if engine is None or engine.session is not None or self.stopping or self.fatal:
+            return
+        if engine_id not in self.registry.engines:
+            return
+        if any(r.engine_id == engine_id for r in self.registry.live.values()):
+            return
+        # All three forget the engine before the first await, so a registration
+        # of the same id arriving meanwhile starts afresh on every side.
+        del self.engines[engine_id]
+        seq = self.record(self.registry.check_detach(engine_id))
+        # Spawned now, so it runs (and drops the data plane's entry) before any
+        # request read after this point can try to add the engine again.
+        self.spawn(self._unmap_detached(engine, seq))
+
+    async def _unmap_detached(self, engine: EngineState, seq: int) -> None:
+        await self._close_engine_memory(engine)
+        # Nobody waits on the detach, so nothing else would commit it soon.
+        await self.durable(seq)
 
     def _own_engine(self, session: EngineSession, engine_id: str) -> EngineState:
         engine = self.engines.get(engine_id)
@@ -493,6 +536,7 @@ class Node:
         event = self.registry.check_register(
             req.request_id, req.incarnation, req.role, req.engine_id, req.peer, req.blocks
         )
+        self._check_fits(event)
         slots: tuple[int, ...] = ()
         if req.offload_slots:
             if engine.offload is None:
@@ -526,12 +570,40 @@ class Node:
             self.spawn(self.advance(req.request_id))
         return rpc.RequestAccepted(req.id, state=REGISTERED.value, offload_slots=slots)
 
+    def _check_fits(self, event: Any) -> None:
+        """Refuse a registration too big for one journal record or one peer frame.
+
+        The core expands logical blocks to kernel blocks, so a request frame
+        within the limit can become a record (and a Forward) many times its
+        size. Without this check (found by tests/test_fuzz.py) an oversized
+        record failed to append after the registry had applied it, leaving
+        live state the journal did not have, and an oversized Forward was
+        journaled but never reached the peer; both replied "internal".
+        """
+        n_blocks = sum(len(ids) for ids in event.blocks)
+        strings = len(event.request_id) + len(event.engine_id) + len(event.peer)
+        limit = min(self.config.limits.max_frame_bytes, MAX_RECORD_BYTES) - _RECORD_HEADROOM
+        # 9 bytes is the largest msgpack int and 4 bytes per character the
+        # largest UTF-8 one: most registrations pass without being encoded.
+        if 9 * n_blocks + 4 * strings <= limit:
+            return
+        size = len(_size_encoder.encode(event))
+        if size > limit:
+            raise Refusal(
+                Reason.BLOCK_OUT_OF_RANGE,
+                f"request {event.request_id}: {n_blocks} kernel blocks encode to {size} bytes, "
+                f"over the {limit}-byte limit of one journal record and one peer frame",
+            )
+
     async def rpc_kv_ready(self, session: EngineSession, req: rpc.KvReady) -> rpc.Reply:
         record = self._own_request(session, req.request_id, req.incarnation)
         if record.role is not PUSHER:
             raise Refusal(Reason.ROLE_MISMATCH, f"request {req.request_id} is a receiver here")
-        await self.record_durably(KvReady(req.request_id, req.incarnation))
+        seq = self.record(KvReady(req.request_id, req.incarnation))
+        # Advance before waiting: its trimmed/writing records join the same
+        # group commit as kv_ready, saving one fsync on the critical path.
         self.spawn(self.advance(req.request_id))
+        await self.durable(seq)
         return rpc.Ok(req.id)
 
     async def rpc_release(self, session: EngineSession, req: rpc.Release) -> rpc.Reply:
@@ -696,6 +768,8 @@ class Node:
         engine = self.engines.get(record.engine_id)
         if engine is not None:
             engine.live = max(0, engine.live - 1)
+            if engine.session is None:
+                self._detach_if_idle(record.engine_id)
         self._data_no_longer_awaited(record.request_id)
 
     def _data_no_longer_awaited(self, request_id: str) -> None:
@@ -783,6 +857,7 @@ class Node:
         self.counters["writes_done"] += 1
         self.counters["bytes_written"] += nbytes
         await self.record_durably(WriteDone(rid, inc))
+        failpoints.hit("node.write_done")
         self.tell_engine(record.engine_id, rpc.BlocksFreeable(rid, inc))
         self.tell_peer(record.peer, pm.WriteDone(rid, inc))
         await self.follow_up(rid)
@@ -808,6 +883,7 @@ class Node:
             return
         self._data_no_longer_awaited(current.request_id)
         await self.record_durably(WriteDone(current.request_id, current.incarnation))
+        failpoints.hit("node.kv_arrived")
         self.tell_engine(current.engine_id, rpc.KvArrived(current.request_id, current.incarnation))
         await self.follow_up(current.request_id)
 

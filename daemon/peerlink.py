@@ -59,6 +59,7 @@ from typing import Any, Final, TypeVar
 import msgspec
 import structlog
 
+from daemon import failpoints
 from daemon.framing import PREFIX_BYTES, EmptyFrame, FrameEncoder, FrameTooLarge, read_frame
 from schemas.config import PeerConfig
 from schemas.peer import (
@@ -603,6 +604,7 @@ class PeerManager:
 
     def send(self, node: str, message: PeerMessage) -> bool:
         """Queue ``message`` to ``node``; False if there is no live link to it."""
+        failpoints.hit("peer.send")
         link = self._links.get(node)
         return link is not None and link.send(message)
 

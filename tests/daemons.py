@@ -57,6 +57,8 @@ class Daemon:
     extra: str = ""
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
+    # More keys for the [journal] table (a second [journal] in `extra` would be a TOML error).
+    journal_extra: str = ""
 
     @property
     def socket(self) -> str:
@@ -90,7 +92,7 @@ class Daemon:
         lines += [self.extra]
         for node, port in self.peers:
             lines += ["[[peers]]", f'node = "{node}"', f'address = "127.0.0.1:{port}"']
-        lines += ["[journal]", f'dir = "{self.journal}"', 'fsync = "batch"']
+        lines += ["[journal]", f'dir = "{self.journal}"', 'fsync = "batch"', self.journal_extra]
         path = self.workdir / f"{self.node}.toml"
         path.write_text("\n".join(lines) + "\n")
         return path

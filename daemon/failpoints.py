@@ -1,0 +1,230 @@
+"""Named crash and fault points, armed only through the environment.
+
+A failpoint is one line at a place where a crash or an I/O error matters
+(``failpoints.hit("journal.sync_fd")``). Unless ``KVPUSHD_FAILPOINTS`` is
+set, every point is disarmed and :func:`hit` returns after one check of an
+empty mapping, so the daemon pays nothing worth measuring in production.
+
+Syntax: ``KVPUSHD_FAILPOINTS="name=action[@N][,name=action[@N]...]"``.
+
+Actions:
+
+``crash``
+    SIGKILL this process at once: no cleanup, no flush, exactly what a
+    ``kill -9`` or a power cut of the process does (the page cache survives).
+``error``
+    Raise ``OSError(EIO)``, as a failed ``write``/``fdatasync`` does. Only at
+    points marked ``io`` below, where the surrounding code treats an OSError
+    as the real system call failing.
+``enospc``
+    Raise ``OSError(ENOSPC)`` (a full disk); same points as ``error``.
+``sleep:S``
+    Block the calling thread for S seconds (a stalled disk or event loop).
+``stop``
+    SIGSTOP this process (a frozen process, resumed by SIGCONT from outside).
+
+``@N`` fires the action on the Nth hit of that point only (hits count from 1
+in each process); without it the action fires on every hit. Before a
+``crash`` or ``stop`` one JSON line goes to stderr, so a test can tell a
+failpoint death from any other.
+
+An unknown name, an unknown action, or ``error``/``enospc`` at a point that
+does no I/O raises ValueError when this module is imported: a mistyped
+failpoint must fail loudly, never silently test nothing.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Final
+
+ENV: Final = "KVPUSHD_FAILPOINTS"
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """A place in the daemon where a failpoint line sits."""
+
+    where: str
+    io: bool  # an OSError raised here is handled as the real syscall failing
+
+
+# Every failpoint in the daemon, with where it is. Keep in step with the
+# hit() lines; tests/test_crash.py checks that each one is reachable.
+POINTS: Final[Mapping[str, Point]] = MappingProxyType(
+    {
+        "journal.append": Point(
+            "Journal.append: before a record is buffered (nothing of it on disk yet)", io=False
+        ),
+        "journal.write": Point(
+            "Journal.write_pending/_write_buffer: before write(2) of the buffered records",
+            io=True,
+        ),
+        "journal.sync_fd": Point(
+            "Journal.sync_fd: before the fdatasync GroupCommit runs in its sync thread",
+            io=True,
+        ),
+        "journal.fdatasync": Point(
+            "Journal._sync_segment: before the synchronous fdatasync of commit(), "
+            "of a rotation's seal and of a snapshot's commit",
+            io=True,
+        ),
+        "journal.rotate": Point(
+            "Journal._start_segment: before a new segment is created (hit 1 is the one "
+            "open() creates, later hits are rotations, after the old segment was sealed)",
+            io=True,
+        ),
+        "journal.snapshot": Point(
+            "Journal.write_snapshot: before the snapshot file is written", io=True
+        ),
+        "groupcommit.synced": Point(
+            "GroupCommit._synced: the sync thread's fdatasync succeeded; before the "
+            "records are marked durable and their waiters woken (nobody told yet)",
+            io=False,
+        ),
+        "nixl.post": Point(
+            "dataplane _Worker._post: before make_prepped_xfer (nothing posted)", io=True
+        ),
+        "nixl.posted": Point(
+            "dataplane _Worker._post: transfer() returned; the WRITE and its "
+            "notification are posted, maybe complete",
+            io=True,
+        ),
+        "node.write_done": Point(
+            "Node._write: WriteDone is durable; before the prefill engine and the "
+            "decode daemon are told",
+            io=False,
+        ),
+        "node.kv_arrived": Point(
+            "Node._receiver_done: WriteDone is durable; before the decode engine is told",
+            io=False,
+        ),
+        "peer.send": Point(
+            "PeerManager.send: before a daemon message (not a heartbeat) is queued", io=False
+        ),
+        "engine.reply": Point(
+            "engine_server Session.send: before a reply or event frame to an engine", io=False
+        ),
+    }
+)
+
+ACTIONS: Final = ("crash", "error", "enospc", "sleep", "stop")
+
+
+@dataclass(slots=True)
+class Failpoint:
+    """One armed point: its action, when it fires, and how often it was hit."""
+
+    name: str
+    action: str
+    seconds: float = 0.0
+    nth: int | None = None  # fire on this hit only; None: on every hit
+    hits: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def count(self) -> int:
+        # Points are hit from the event loop and from worker threads.
+        with self._lock:
+            self.hits += 1
+            return self.hits
+
+    def fires(self, hit: int) -> bool:
+        return self.nth is None or hit == self.nth
+
+
+def parse(spec: str) -> dict[str, Failpoint]:
+    """``"a=crash@3,b=sleep:0.5"`` -> armed failpoints; raises ValueError on anything odd."""
+    armed: dict[str, Failpoint] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, sep, action = item.partition("=")
+        name = name.strip()
+        if not sep:
+            raise ValueError(f"{ENV}: {item!r} is not name=action")
+        if name not in POINTS:
+            raise ValueError(f"{ENV}: unknown failpoint {name!r} (known: {', '.join(POINTS)})")
+        if name in armed:
+            raise ValueError(f"{ENV}: failpoint {name!r} is armed twice")
+        armed[name] = _parse_action(name, action.strip())
+    return armed
+
+
+def _parse_action(name: str, text: str) -> Failpoint:
+    body, at, nth_text = text.partition("@")
+    nth = None
+    if at:
+        if not nth_text.isdigit() or int(nth_text) < 1:
+            raise ValueError(f"{ENV}: {name}={text}: @N needs a whole number N >= 1")
+        nth = int(nth_text)
+    kind, colon, arg = body.partition(":")
+    if kind not in ACTIONS:
+        raise ValueError(f"{ENV}: {name}={text}: unknown action (known: {', '.join(ACTIONS)})")
+    if (kind == "sleep") != bool(colon):
+        raise ValueError(f"{ENV}: {name}={text}: only sleep takes an argument (sleep:S)")
+    seconds = 0.0
+    if kind == "sleep":
+        try:
+            seconds = float(arg)
+        except ValueError:
+            raise ValueError(f"{ENV}: {name}={text}: sleep:S needs a number of seconds") from None
+        if not 0 <= seconds < 3600:
+            raise ValueError(f"{ENV}: {name}={text}: sleep must be 0..3600 s")
+    if kind in ("error", "enospc") and not POINTS[name].io:
+        raise ValueError(f"{ENV}: {name} does no I/O; {kind} is only for io points")
+    return Failpoint(name, kind, seconds, nth)
+
+
+# Rebound (never mutated) by configure(); hit() reads it once per call.
+_ARMED: Mapping[str, Failpoint] = MappingProxyType(parse(os.environ.get(ENV, "")))
+
+
+def configure(spec: str) -> None:
+    """Re-arm from ``spec`` in this process (tests that run a journal in-process)."""
+    global _ARMED
+    _ARMED = MappingProxyType(parse(spec))
+
+
+def armed() -> Mapping[str, Failpoint]:
+    return _ARMED
+
+
+def hit(name: str) -> None:
+    """Pass the failpoint ``name``: nothing happens unless it is armed."""
+    if not _ARMED:
+        return
+    point = _ARMED.get(name)
+    if point is not None:
+        _fire(point)
+
+
+def _fire(point: Failpoint) -> None:
+    n = point.count()
+    if not point.fires(n):
+        return
+    if point.action == "crash":
+        _say(point, n)
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)  # SIGKILL is asynchronous for other threads; never run on
+    elif point.action == "stop":
+        _say(point, n)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif point.action == "sleep":
+        time.sleep(point.seconds)
+    elif point.action == "error":
+        raise OSError(errno.EIO, f"{os.strerror(errno.EIO)} (failpoint {point.name})")
+    elif point.action == "enospc":
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (failpoint {point.name})")
+
+
+def _say(point: Failpoint, n: int) -> None:
+    line = {"event": "failpoint", "failpoint": point.name, "action": point.action, "hit": n}
+    line |= {"level": "critical", "pid": os.getpid()}
+    # os.write, not print(): nothing buffered may be lost to the SIGKILL.
+    os.write(2, (json.dumps(line) + "\n").encode())
