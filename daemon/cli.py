@@ -42,7 +42,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     except ReplayError as exc:
         print(f"CORRUPT: the journal decodes but cannot be replayed: {exc}", file=sys.stderr)
         return EXIT_CORRUPT
-    except JournalError as exc:
+    except (JournalError, OSError) as exc:
         print(f"ERROR: {exc}", file=sys.stderr)
         return EXIT_CORRUPT
     live = len(result.registry.live)
@@ -95,6 +95,9 @@ def cmd_show(args: argparse.Namespace) -> int:
         return EXIT_CORRUPT
     except BrokenPipeError:
         sys.stderr.close()
+    except OSError as exc:
+        print(f"ERROR: {exc}", file=sys.stderr)
+        return EXIT_CORRUPT
     return EXIT_CLEAN
 
 
@@ -102,7 +105,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     stats = JournalStats()
     try:
         result = replay(args.path, salvage=args.salvage, on_record=stats.on_record)
-    except (JournalError, ReplayError) as exc:
+    except (JournalError, ReplayError, OSError) as exc:
         print(f"ERROR: {exc}", file=sys.stderr)
         return EXIT_CORRUPT
     if args.json:
@@ -137,6 +140,110 @@ def cmd_stats(args: argparse.Namespace) -> int:
     rows = [(n, c, _ms(p50), _ms(p99), _ms(mx)) for n, c, p50, p99, mx in stats.latency_table()]
     print(_table(["transition", "count", "p50 ms", "p99 ms", "max ms"], rows or [("-",) * 5]))
     return EXIT_CLEAN
+
+
+# --- `kvpushd journal replay|timeline|report` (daemon/postmortem.py) -------
+# Imported lazily: the postmortem loads numpy, which no other command needs.
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from daemon.postmortem import run_replay
+
+    return run_replay(args)
+
+
+def cmd_timeline(args: argparse.Namespace) -> int:
+    from daemon.postmortem import run_timeline
+
+    return run_timeline(args)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from daemon.postmortem import run_report
+
+    return run_report(args)
+
+
+POSTMORTEM_HELP = """\
+JOURNAL: a node's journal directory, or segment files copied out of one
+(grouped by the node their records name). Give every node's journal to merge
+the prefill and decode sides of each request; clock offsets between nodes are
+estimated from the messages they exchanged.
+
+filters (repeat one to OR its values; different filters AND):
+  --request ID     exact id, ID#INCARNATION, or a glob (r00*)
+  --since/--until  ISO (2026-11-29T02:10, local time unless a zone is given),
+                   a time of day on the journals' day (02:10), relative to
+                   the journals' end or start (-15m, +90s), or epoch seconds
+  --state STATE    final state or outcome on some node: pending, registered,
+                   trimmed, writing, done, failed, released, refused
+  --reason REASON  a refusal or failure reason (blocks_owned, daemon_restart, ...)
+  --node NODE      requests this node saw
+
+exit codes: 0 done, 1 no request matched (timeline), 2 unreadable input or bad filter
+"""
+
+
+def _add_postmortem_arguments(parser: argparse.ArgumentParser, *, request_required: bool) -> None:
+    parser.add_argument("journals", type=Path, nargs="+", metavar="JOURNAL")
+    parser.add_argument(
+        "--request", action="append", required=request_required, metavar="ID", help="request id"
+    )
+    parser.add_argument("--since", metavar="TIME", help="requests alive at or after TIME")
+    parser.add_argument("--until", metavar="TIME", help="requests alive at or before TIME")
+    parser.add_argument("--state", action="append", metavar="STATE", help="final state/outcome")
+    parser.add_argument("--reason", action="append", metavar="REASON", help="refusal/failure")
+    parser.add_argument("--node", action="append", metavar="NODE", help="seen by this node")
+    parser.add_argument(
+        "--jobs", type=int, metavar="N", help="processes folding nodes in parallel (default: auto)"
+    )
+
+
+def add_postmortem_parsers(jsub: argparse._SubParsersAction) -> None:
+    formatter = argparse.RawDescriptionHelpFormatter
+    replay_cmd = jsub.add_parser(
+        "replay",
+        help="fold and merge nodes' journals; final states, refusals and anomalies",
+        epilog=POSTMORTEM_HELP,
+        formatter_class=formatter,
+    )
+    _add_postmortem_arguments(replay_cmd, request_required=False)
+    replay_cmd.add_argument("--json", action="store_true", help="everything, as one JSON object")
+    replay_cmd.add_argument("--top", type=int, default=10, metavar="N", help="slowest transitions")
+    replay_cmd.add_argument(
+        "--limit", type=int, default=20, metavar="N", help="rows per anomaly list (0: all)"
+    )
+    replay_cmd.set_defaults(func=cmd_replay)
+
+    timeline = jsub.add_parser(
+        "timeline",
+        help="one request's life across nodes, step by step",
+        epilog=POSTMORTEM_HELP,
+        formatter_class=formatter,
+    )
+    _add_postmortem_arguments(timeline, request_required=True)
+    timeline.add_argument("--json", action="store_true", help="the steps as JSON")
+    timeline.set_defaults(func=cmd_timeline)
+
+    report = jsub.add_parser(
+        "report",
+        help="a self-contained HTML report: timeline chart, latency histograms, anomalies",
+        epilog=POSTMORTEM_HELP,
+        formatter_class=formatter,
+    )
+    _add_postmortem_arguments(report, request_required=False)
+    report.add_argument(
+        "-o", "--output", type=Path, required=True, metavar="FILE", help="the HTML file to write"
+    )
+    report.add_argument("--top", type=int, default=20, metavar="N", help="slowest transitions")
+    report.add_argument(
+        "--max-timelines",
+        type=int,
+        default=200,
+        metavar="N",
+        help="request timelines written out in full (anomalies first; default 200)",
+    )
+    report.set_defaults(func=cmd_report)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -272,6 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true")
     stats.add_argument("--salvage", action="store_true")
     stats.set_defaults(func=cmd_stats)
+    add_postmortem_parsers(jsub)
     return parser
 
 

@@ -108,7 +108,13 @@ class GroupCommit:
         failpoints.hit("groupcommit.synced")
         # perf_counter, not loop.time(): uvloop's clock moves once per loop
         # pass, in milliseconds, and a sync often takes less.
-        self._journal.mark_durable(written)
+        try:
+            self._journal.mark_durable(written)
+        except JournalFatal as exc:
+            # The journal failed on the loop's own synchronous path (a
+            # snapshot, policy "always") while this sync was in flight.
+            self._failed(exc)
+            return
         self._done(written, time.perf_counter() - started)
 
     def _done(self, durable: int, seconds: float) -> None:

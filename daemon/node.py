@@ -22,7 +22,7 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -255,6 +255,8 @@ class Node:
 
     def _journal_failed(self, exc: JournalFatal) -> None:
         # DESIGN: an fsync failure is fatal; exit and replay, never retry.
+        if self.fatal is not None:
+            return  # reported once; later calls only see the journal refuse
         self.fatal = exc
         self.log.critical("journal write failed; stopping", error=str(exc))
         self.on_fatal(exc)
@@ -263,14 +265,24 @@ class Node:
 
     def record(self, event: Event) -> int:
         assert self.recorder is not None
-        record, touched = self.recorder.record(event)
+        try:
+            record, touched = self.recorder.record(event)
+        except JournalFatal as exc:
+            # A synchronous commit (policy "always", a full segment) failed, or
+            # the journal failed before: as fatal as a failed group commit.
+            self._journal_failed(exc)
+            raise
         self._log_event(event, record.seq)
         for observe in self.observers:
             observe(event, touched, record.ts)
         self.records_since_snapshot += 1
         if self.records_since_snapshot >= self.config.journal.snapshot_every:
             self.records_since_snapshot = 0
-            self.recorder.snapshot(retain_segments=self.config.journal.retain_segments)
+            try:
+                self.recorder.snapshot(retain_segments=self.config.journal.retain_segments)
+            except JournalFatal as exc:
+                self._journal_failed(exc)  # the snapshot's commit or file write failed
+                raise
         return record.seq
 
     def _log_event(self, event: Event, seq: int) -> None:
@@ -798,9 +810,17 @@ class Node:
                 )
                 await self.fail_and_tell(record, refusal.reason, refusal.message)
                 return
-            self.record(trimmed)
+            seq = self.record(trimmed)
             record = self.registry.get(request_id)
             assert record is not None
+            if not record.kv_ready:
+                # Nothing waits on the journal again until kv_ready, which may
+                # be long: without this (found by tests/test_load.py) an idle
+                # daemon's journal lagged its registry by every such trim.
+                await self.durable(seq)
+                record = self.registry.get(request_id)
+                if record is None:
+                    return
         if record.state is TRIMMED and record.kv_ready and request_id not in self.writes:
             self._start_write(record)
 
@@ -986,8 +1006,11 @@ class Node:
                 await self.dataplane.remove_remote_agent(state.agent_name)
             state.agent_name = ""
         message = f"peer {node} is dead ({reason})"
-        for record in list(self.registry.live.values()):
-            if record.peer != node:
+        for listed in list(self.registry.live.values()):
+            # Each await below lets other handlers (an engine's release, say)
+            # move records on: act on the record as it is now, not as listed.
+            record = self.registry.get(listed.request_id)
+            if record is None or record.incarnation != listed.incarnation or record.peer != node:
                 continue
             if record.role is PUSHER and record.state in (REGISTERED, TRIMMED):
                 await self.fail_and_tell(record, Reason.PEER_DEAD, message, tell_peer=False)
@@ -999,6 +1022,8 @@ class Node:
                 await self.record_durably(PeerSettled(record.request_id, record.incarnation, True))
                 await self.follow_up(record.request_id)
         for pending in list(self.registry.pending.values()):
+            if self.registry.pending.get(pending.registration.request_id) is not pending:
+                continue  # joined by its engine or failed meanwhile
             if pending.registration.peer == node:
                 reg = pending.registration
                 await self.record_durably(
@@ -1031,7 +1056,10 @@ class Node:
         )
 
     def _chain(
-        self, key: tuple[str, Any], coro: Awaitable[None], after: tuple[str, Any] | None = None
+        self,
+        key: tuple[str, Any],
+        coro: Coroutine[Any, Any, None],
+        after: tuple[str, Any] | None = None,
     ) -> None:
         waits = [
             t
@@ -1040,9 +1068,15 @@ class Node:
         ]
 
         async def run() -> None:
-            for task in waits:
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(task)
+            # Wait for the predecessors whatever their outcome. (Suppressing
+            # BaseException around shield() also swallowed this task's own
+            # cancellation at shutdown, and the handler then ran anyway.)
+            try:
+                if waits:
+                    await asyncio.wait(waits)
+            except asyncio.CancelledError:
+                coro.close()
+                raise
             await coro
 
         task = self.spawn(run())
