@@ -302,10 +302,23 @@ def shm_bytes(block_bytes: int) -> int:
 # ================================================================== daemons
 
 
+# Below the kernel's ephemeral range (32768-60999 here): a port the kernel
+# hands out with bind(0) can be taken again as the local port of any outgoing
+# connection before the daemon binds it; one chosen here cannot.
+_PORTS = range(20000, 32000)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.choice(_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def write_secret(path: Path) -> None:

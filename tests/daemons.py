@@ -13,16 +13,11 @@ from pathlib import Path
 
 import msgspec
 
+from daemon.demo import free_port
 from daemon.framing import PREFIX_BYTES, FrameEncoder
 from schemas import rpc
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def status(sock_path: str, timeout: float = 5.0) -> dict:
