@@ -52,7 +52,7 @@ from schemas.events import (
     WriteStarted,
 )
 from schemas.kvlayout import EngineSpec, MemoryKind, RemoteEngine, model_signature
-from schemas.layout import Role
+from schemas.layout import GroupKind, Role
 from schemas.reasons import Reason
 from schemas.state import PendingPeer, RequestRecord, State
 from statemachine import Refusal, Registry, TrimRefused
@@ -540,6 +540,7 @@ class Node:
                 f"engine {req.engine_id} has {engine.live} live requests, the limit is "
                 f"{self.config.limits.max_live_per_engine}",
             )
+        _check_expansion(engine.spec, req)
         if req.role is RECEIVER:
             if not req.peer:
                 raise Refusal(Reason.UNKNOWN_REQUEST, "a receiver registration must name its peer")
@@ -1266,6 +1267,27 @@ class Node:
             self._on_released(current)
             self.tell_engine(
                 current.engine_id, rpc.Released(current.request_id, current.incarnation)
+            )
+
+
+def _check_expansion(spec: EngineSpec, req: rpc.RegisterRequest) -> None:
+    """Refuse block lists that cannot fit the engine before the core expands them.
+
+    A request's kernel blocks must be distinct and below ``num_blocks``, so no
+    group's list may expand to more than ``num_blocks`` ids. The core checks
+    the range only after expanding, and ``per_logical`` is the engine's own
+    choice: without this check (found while fuzzing huge block lists; see
+    tests/test_fuzz.py) a 300-byte request with per_logical 100,000 made the
+    core build 10 million ids, +470 MiB and 1.3 s of the event loop before
+    refusing; a larger ratio would exhaust memory.
+    """
+    for g, (group, ids) in enumerate(zip(spec.groups, req.blocks, strict=False)):
+        per = 1 if group.kind is GroupKind.SSM else group.per_logical
+        if len(ids) * per > group.num_blocks:
+            raise Refusal(
+                Reason.BLOCK_OUT_OF_RANGE,
+                f"request {req.request_id}: group {g} lists {len(ids)} blocks of {per} kernel "
+                f"blocks each, more than the engine's {group.num_blocks}",
             )
 
 

@@ -56,8 +56,11 @@ EXIT_JOURNAL_FATAL: Final = 3  # daemon/service.py
 # ------------------------------------------------------------------ helpers
 
 
-async def started_pair(tmp_path: Path, failpoint_env: dict[str, str] | None = None) -> CrashPair:
+async def started_pair(
+    tmp_path: Path, closing: list[CrashPair], failpoint_env: dict[str, str] | None = None
+) -> CrashPair:
     pair = CrashPair(tmp_path, "f", random.Random(7))
+    closing.append(pair)  # closed (daemons stopped) even if starting fails half-way
     await pair.start(failpoint_env)
     return pair
 
@@ -183,8 +186,7 @@ JOURNAL_FAULTS: Final = [
 async def test_a_journal_fault_exits_3_with_one_line_and_the_restart_replays_what_was_durable(
     tmp_path: Path, closing: list[CrashPair], node: str, spec: str, says: str
 ) -> None:
-    pair = await started_pair(tmp_path, {node: spec})
-    closing.append(pair)
+    pair = await started_pair(tmp_path, closing, {node: spec})
     assert pair.load is not None
     daemon = pair.daemons[node]
     pair.load.resume()
@@ -221,8 +223,7 @@ async def test_decode_killed_mid_write_fails_the_push_cleanly(
 ) -> None:
     # The prefill worker holds every WRITE for a moment before posting it,
     # which is when the decode daemon dies.
-    pair = await started_pair(tmp_path, {PREFILL: "nixl.post=sleep:1.5"})
-    closing.append(pair)
+    pair = await started_pair(tmp_path, closing, {PREFILL: "nixl.post=sleep:1.5"})
     steps = Steps(pair)
     prefill, decode = pair.daemons[PREFILL], pair.daemons[DECODE]
     await steps.register_both("mid", 1, kv_ready=True)
@@ -250,8 +251,7 @@ async def test_decode_killed_mid_write_fails_the_push_cleanly(
 async def test_a_peer_frozen_past_its_ttl_is_declared_dead_and_resurrects_nothing(
     tmp_path: Path, closing: list[CrashPair], frozen: str
 ) -> None:
-    pair = await started_pair(tmp_path)
-    closing.append(pair)
+    pair = await started_pair(tmp_path, closing)
     steps = Steps(pair)
     survivor = DECODE if frozen == PREFILL else PREFILL
     ice, other = pair.daemons[frozen], pair.daemons[survivor]

@@ -1320,6 +1320,39 @@ def test_registration_too_big_for_a_record_or_a_peer_frame_is_refused(
     _unchanged(target)
 
 
+def peak_rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmHWM for {pid}")
+
+
+def test_block_list_that_cannot_fit_is_refused_before_expansion(target: FuzzTarget) -> None:
+    """Regression: 100 logical ids x per_logical 100,000 = 10 million kernel ids.
+
+    The core expands before it checks the range, so this 300-byte request
+    used to cost the daemon ~470 MiB and over a second of its event loop.
+    """
+    tag = uuid.uuid4().hex[:6]
+    region = create_shm_file(f"/dev/shm/kvpushd-fuzz-ratio-{tag}", 16 * 256)
+    groups = (GroupSpec(GroupKind.ATTENTION, 16, 256, (LayerSpec(region.name),), 100_000),)
+    pid = target.prefill.proc.pid
+    try:
+        with RpcConn(target.prefill.socket) as conn:
+            reply = conn.call(rpc.RegisterEngine(conn.next_id(), f"ratio-{tag}", groups, (region,)))
+            assert isinstance(reply, rpc.Ok), reply
+            peak = peak_rss_kib(pid)
+            blocks = (tuple(range(100)),)
+            request = rpc.RegisterRequest(conn.next_id(), f"ratio-{tag}", "r", Role.PUSHER, blocks)
+            reply = conn.call(request)
+            assert isinstance(reply, rpc.Error) and reply.code == "block_out_of_range", reply
+            assert "100 blocks of 100000 kernel blocks each" in reply.message, reply
+            assert peak_rss_kib(pid) - peak < 100 * 1024
+    finally:
+        os.unlink(region.path)
+    wait_settled(target, lambda: "after the ratio engine left")
+
+
 def test_peer_random_bytes(target: FuzzTarget) -> None:
     identity = target.link_identity()
     ran = run_cases(peer_streams, lambda c: peer_stream_case(target, c), scaled(200))
