@@ -24,10 +24,9 @@ import pytest
 
 from daemon import postmortem as pm
 from daemon.journal import FRAME_OVERHEAD, HEADER_SIZE, FsyncPolicy, Journal
-from daemon.replay import iter_records, replay
+from daemon.replay import iter_records
 from schemas.events import (
     FORMAT_VERSION,
-    DaemonStarted,
     Failed,
     Record,
     Released,
@@ -283,52 +282,6 @@ def test_sides_disagree(demo, tmp_path):
     sides = {s.node: (s.outcome, s.reason) for s in split.sides}
     assert sides == {"prefill": ("done", ""), "decode": ("failed", "deadline_exceeded")}
     assert _kinds(analysis) | {"disagreements": 0} == dict.fromkeys(_kinds(analysis), 0)
-
-
-def test_restart_and_what_it_failed(demo, tmp_path):
-    """The prefill daemon restarts mid-run: what was in flight fails right after.
-
-    The tail is what ``Node.start`` journals: DaemonStarted, then a failure
-    for every request caught registered, trimmed or writing, and for every
-    receiver registration still pending (done ones wait for their release).
-    """
-    records = _records(demo["prefill"])
-    head = records[: len(records) // 2]
-    _write(tmp_path / "head", head)
-    live = replay(tmp_path / "head").registry
-    caught = {
-        r.request_id: r.state.value
-        for r in live.live.values()
-        if r.state.value in ("registered", "trimmed", "writing")
-    }
-    caught.update({p.registration.request_id: "pending" for p in live.pending.values()})
-    assert caught, "the cut must catch requests in flight"
-    seq, ts = head[-1].seq, head[-1].ts
-    tail = [
-        Record(FORMAT_VERSION, "prefill", seq + 1, ts + 1, DaemonStarted(4242, "0.1.0", "boot2"))
-    ]
-    for n, rid in enumerate(sorted(caught)):
-        settled = caught[rid] == "pending"
-        event = Failed(rid, 1, Reason.DAEMON_RESTART, "daemon restarted", settled=settled)
-        tail.append(Record(FORMAT_VERSION, "prefill", seq + 2 + n, ts + 1.001, event))
-    copy = _write(tmp_path / "prefill", head + tail)
-    analysis = _analyse(copy, demo["decode"])
-    (restart,) = [r for r in analysis.restarts if r.restart]
-    assert (restart.node, restart.seq, restart.pid, restart.boot_id) == (
-        "prefill", seq + 1, 4242, "boot2"
-    )  # fmt: skip
-    assert {k[0]: state for k, state in restart.failed} == caught
-    out = _kvpushd("journal", "replay", copy, demo["decode"]).stdout
-    section = out.split("\nrestarts\n", 1)[1].split("\n\n", 1)[0]
-    assert "boot2" in section and all(
-        f"{rid}#1 ({state})" in section for rid, state in caught.items()
-    )
-    for rid in caught:  # and each failed request's timeline shows the restart
-        steps = pm.timeline(analysis.merged, analysis.merged.keys.index((rid, 1))).steps
-        events = [(s.node, s.event) for s in steps]
-        at = events.index(("prefill", "daemon_started"))
-        assert events[at + 1] == ("prefill", "failed")
-        assert "daemon_restart" in steps[at + 1].detail
 
 
 def test_request_never_released(demo, tmp_path):
