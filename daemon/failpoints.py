@@ -58,7 +58,7 @@ class Point:
 
 
 # Every failpoint in the daemon, with where it is. Keep in step with the
-# hit() lines; tests/test_crash.py checks that each one is reachable.
+# hit() lines: tests/test_crash.py checks these names against the code.
 POINTS: Final[Mapping[str, Point]] = MappingProxyType(
     {
         "journal.append": Point(

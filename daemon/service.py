@@ -22,6 +22,7 @@ log = structlog.get_logger("kvpushd")
 
 EXIT_OK = 0
 EXIT_JOURNAL_FATAL = 3
+FATAL_CLOSE_S = 5.0  # how long a journal-failure exit waits for the data plane to close
 
 
 def _status_line(node: Node) -> str:
@@ -133,6 +134,12 @@ async def serve(config: Config, notifier: Notifier | None = None) -> int:
         # the next start replay to the last durable record.
         log.critical("exiting after a journal failure", error=str(node.fatal))
         notifier.stopping("journal failure")
+        # Stop the NIXL worker first: left running, its agent was destroyed
+        # during interpreter teardown, maybe mid-call on the worker thread,
+        # and the process aborted (SIGABRT) instead of exiting 3. Bounded: a
+        # wedged worker must not keep the daemon from exiting.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(node.dataplane.close(), FATAL_CLOSE_S)
         return EXIT_JOURNAL_FATAL
     notifier.stopping("draining")
     log.info("draining", live=len(node.registry.live), writes=len(node.writes))

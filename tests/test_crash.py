@@ -309,12 +309,13 @@ class Ledger:
 class Stats:
     ok: int = 0  # pushed, verified on both sides
     failed: int = 0  # ended failed on at least one side (a crash was in the way)
+    abandoned: int = 0  # an engine gave up on it at once (on purpose), racing the write
     refused: int = 0  # the decode daemon refused the registration
     probes: int = 0
 
     @property
     def completed(self) -> int:
-        return self.ok + self.failed + self.refused
+        return self.ok + self.failed + self.abandoned + self.refused
 
 
 class Load:
@@ -444,8 +445,9 @@ class Load:
             self.pe, PREFILL, rid, p_state, p_gen, (rpc.BlocksFreeable,), hurry=odds > 0.95
         )
         decode_ok = await (early or decode_side(hurry=False))
-        results = (prefill_ok, decode_ok)
-        return "ok" if all(results) and p_state == "known" else "failed"
+        if prefill_ok and decode_ok and p_state == "known":
+            return "ok"
+        return "abandoned" if early is not None or odds > 0.95 else "failed"
 
     async def _register(self, node: str, rid: str, call: Any) -> str:
         try:
@@ -979,7 +981,7 @@ async def run_rounds(
         summary.rounds += part.rounds
         summary.kills += part.kills
         summary.acks_checked += part.acks_checked
-        for name in ("ok", "failed", "refused", "probes"):
+        for name in ("ok", "failed", "abandoned", "refused", "probes"):
             setattr(summary.stats, name, getattr(summary.stats, name) + getattr(part.stats, name))
     return summary
 
