@@ -27,11 +27,12 @@ import numpy as np
 from bench.nixl_bare import MIB, run_bare
 from bench.results import write_section
 from daemon.client import EngineClient
+from daemon.journal_stats import percentile
 from daemon.memory import create_shm_file
 from schemas import rpc
 from schemas.kvlayout import GroupSpec, LayerSpec
 from schemas.layout import GroupKind, Role
-from tests.daemons import Daemon, daemon_pair
+from tests.daemons import Daemon, cpu_seconds, daemon_pair
 
 KIB = 1024
 
@@ -159,14 +160,8 @@ async def single_latency(pair: tuple[Daemon, Daemon], n: int) -> list[float]:
     return latencies
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q / 100 * len(values)))]
+    return percentile(sorted(values), q)
 
 
 async def daemon_part(args: argparse.Namespace, workdir: Path) -> dict:

@@ -12,6 +12,7 @@ import msgspec
 from daemon.journal import JournalCorrupt, JournalError
 from daemon.journal_stats import JournalStats
 from daemon.replay import ReplayError, iter_records, replay
+from daemon.texttable import table
 from schemas.events import Record
 
 # `journal verify` exit codes: scripts and operators branch on them.
@@ -19,14 +20,6 @@ EXIT_CLEAN = 0
 EXIT_TORN_TAIL = 1
 EXIT_CORRUPT = 2
 EXIT_CONFIG = 2  # `run`: the configuration is unusable
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [list(map(str, header)), *([str(c) for c in row] for row in rows)]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def _ms(seconds: float) -> str:
@@ -131,14 +124,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
         f"{result.records} records, last seq {result.last_seq}, "
         f"{len(result.registry.live)} live requests\n"
     )
-    print(_table(["state reached", "requests"], sorted(stats.reached.items())))
+    print(table(["state reached", "requests"], sorted(stats.reached.items())))
     print()
-    print(_table(["refusal reason", "count"], sorted(stats.refusals.items()) or [("-", 0)]))
+    print(table(["refusal reason", "count"], sorted(stats.refusals.items()) or [("-", 0)]))
     print()
-    print(_table(["failure reason", "count"], sorted(stats.failures.items()) or [("-", 0)]))
+    print(table(["failure reason", "count"], sorted(stats.failures.items()) or [("-", 0)]))
     print()
     rows = [(n, c, _ms(p50), _ms(p99), _ms(mx)) for n, c, p50, p99, mx in stats.latency_table()]
-    print(_table(["transition", "count", "p50 ms", "p99 ms", "max ms"], rows or [("-",) * 5]))
+    print(table(["transition", "count", "p50 ms", "p99 ms", "max ms"], rows or [("-",) * 5]))
     return EXIT_CLEAN
 
 

@@ -69,6 +69,7 @@ from daemon.sim_engine import (
     SimLayout,
     tail_pairs,
 )
+from daemon.texttable import table
 from schemas import rpc
 from schemas.events import Record, Refused, WriteStarted
 from schemas.layout import Role
@@ -880,19 +881,8 @@ def _check_transfer(view: JournalView, t: Transfer, outcome: Outcome | None) -> 
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[object]], right: int = 1) -> str:
-    """A plain text table; columns from ``right`` on are right-aligned (numbers)."""
-    cells = [list(map(str, header)), *([str(c) for c in row] for row in rows)]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-
-    def line(row: list[str]) -> str:
-        return "  ".join(
-            c.rjust(w) if i >= right else c.ljust(w)
-            for i, (c, w) in enumerate(zip(row, widths, strict=True))
-        ).rstrip()
-
-    out = [line(cells[0]), "  ".join("-" * w for w in widths)]
-    out += [line(r) for r in cells[1:]]
-    return "\n".join("  " + row for row in out)
+    """The summary's tables: indented, numbers (columns from ``right`` on) right-aligned."""
+    return table(header, rows, indent="  ", right=right)
 
 
 def _ms(seconds: float) -> str:

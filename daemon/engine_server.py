@@ -23,6 +23,7 @@ import structlog
 from daemon import failpoints
 from daemon.framing import EmptyFrame, FrameEncoder, FrameTooLarge, read_frame
 from daemon.memory import RegionError
+from daemon.node import VERSION
 from schemas import rpc
 from statemachine import Refusal
 
@@ -254,7 +255,7 @@ class EngineServer:
                 rpc.BAD_REQUEST,
                 f"protocol {req.protocol} not supported, this daemon speaks {rpc.PROTOCOL_VERSION}",
             )
-        return rpc.HelloOk(req.id, self.node.config.node, rpc.PROTOCOL_VERSION, _version())
+        return rpc.HelloOk(req.id, self.node.config.node, rpc.PROTOCOL_VERSION, VERSION)
 
     async def _status(self, session: Session, req: rpc.Status) -> rpc.Reply:
         return rpc.StatusReply(req.id, self.node.status())
@@ -274,12 +275,6 @@ async def _replies_drained(writer: asyncio.StreamWriter) -> bool:
     except ConnectionError:
         return False
     return True
-
-
-def _version() -> str:
-    from daemon.node import VERSION
-
-    return VERSION
 
 
 def _request_id(body: bytes) -> int:

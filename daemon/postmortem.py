@@ -52,6 +52,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from daemon import texttable
 from daemon.journal import (
     FRAME_OVERHEAD,
     HEADER_SIZE,
@@ -2096,14 +2097,7 @@ def _ms(seconds: float | None) -> str:
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[object]], indent: str = "  ") -> str:
-    cells = [list(map(str, header)), *([str(c) for c in row] for row in rows)]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = [
-        indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-        for r in cells
-    ]
-    lines.insert(1, indent + "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return texttable.table(header, rows, indent=indent)
 
 
 def _limited(rows: list[Any], limit: int) -> tuple[list[Any], str]:

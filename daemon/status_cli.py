@@ -12,13 +12,13 @@ import argparse
 import json
 import socket
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
 from daemon.config import ConfigError, load_config
 from daemon.framing import PREFIX_BYTES, FrameEncoder
+from daemon.texttable import table
 from schemas import rpc
 
 # Scripts branch on these; `kvpushd status --help` documents them (daemon/cli.py).
@@ -118,14 +118,6 @@ def age(seconds: float | None) -> str:
 
 def _n(count: int, noun: str) -> str:
     return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
-
-
-def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [list(header), *([str(c) for c in row] for row in rows)]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def _summary(st: dict[str, Any]) -> list[str]:

@@ -94,6 +94,25 @@ def validate_layout(layout: EngineLayout) -> None:
             )
 
 
+def _check_expansion_fits(
+    layout: EngineLayout, logical: Sequence[Sequence[int]], request_id: str
+) -> None:
+    """Refuse lists that cannot fit before expanding them.
+
+    Kernel blocks must be distinct and below ``num_blocks``, so no group may
+    expand to more than ``num_blocks`` ids; checking after expansion let a
+    300-byte request with a huge ``per_logical`` build millions of ids first.
+    """
+    for g, (group, ids) in enumerate(zip(layout.groups, logical, strict=True)):
+        per = 1 if group.kind is GroupKind.SSM else group.per_logical
+        if len(ids) * per > group.num_blocks:
+            raise Refusal(
+                Reason.BLOCK_OUT_OF_RANGE,
+                f"request {request_id}: group {g} lists {len(ids)} blocks of {per} kernel "
+                f"blocks each, more than the engine's {group.num_blocks}",
+            )
+
+
 def _check_blocks(layout: EngineLayout, blocks: Blocks, what: str) -> None:
     if len(blocks) != len(layout.groups):
         raise Refusal(
@@ -261,6 +280,7 @@ class Registry:
             )
         if any(lid < 0 for ids in logical_blocks for lid in ids):
             raise Refusal(Reason.BLOCK_OUT_OF_RANGE, f"request {request_id}: negative block id")
+        _check_expansion_fits(layout, logical_blocks, request_id)
         blocks = expand_blocks(layout, logical_blocks)
         _check_blocks(layout, blocks, f"request {request_id}")
         if role is RECEIVER:

@@ -20,6 +20,13 @@ from schemas import rpc
 REPO = Path(__file__).resolve().parents[1]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU a process has used so far, from /proc."""
+    # The state and counters follow the command name, which may hold spaces.
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def status(sock_path: str, timeout: float = 5.0) -> dict:
     """One blocking status round trip over the engine socket."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:

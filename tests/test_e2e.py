@@ -15,7 +15,6 @@ import struct
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -31,7 +30,7 @@ from schemas import rpc
 from schemas.events import Failed, Refused, WriteStarted
 from schemas.kvlayout import GroupSpec, LayerSpec
 from schemas.layout import GroupKind, Role
-from tests.daemons import Daemon, daemon_pair, status
+from tests.daemons import Daemon, cpu_seconds, daemon_pair, status
 
 LAYOUT = [
     SimGroup(num_blocks=640, block_bytes=4096, layers=2),
@@ -391,10 +390,6 @@ def test_bad_frames_get_errors_and_the_daemon_keeps_serving(pair):
 
 def test_idle_daemon_uses_almost_no_cpu(pair):
     prefill, decode = pair
-
-    def cpu_seconds(pid: int) -> float:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     before = {d.node: cpu_seconds(d.proc.pid) for d in (prefill, decode)}
     time.sleep(3.0)
