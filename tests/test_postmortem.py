@@ -4,8 +4,10 @@ A module fixture runs ``kvpushd demo`` once (two daemon processes, real
 NIXL, 60 requests) and keeps its prefill and decode journals. Each anomaly
 the postmortem looks for is planted in a copy of them, the way it would
 arise (a cut file, records lost from a rewritten copy, a failure journaled
-on one side only, a restart, a release that never came), and must be found
-exactly where it was planted; the untouched journals must show none.
+on one side only, a release that never came), and must be found exactly
+where it was planted; the untouched journals must show none. A restart is
+made by killing a real daemon in a known state instead: see
+tests/test_postmortem_restart.py.
 """
 
 from __future__ import annotations
