@@ -22,6 +22,11 @@ descriptor ``base_g + l * num_blocks_g + b`` is block ``b`` of layer ``l`` of
 group ``g``, where ``base_g`` counts the descriptors of the groups before it.
 A request is then one ``make_prepped_xfer`` over two index arrays; runs of
 consecutive blocks in a layer merge into one descriptor inside NIXL.
+
+Windows. Peers never learn the addresses of a local engine's own mapping:
+each peer gets a window of its own onto the same pages (daemon/window.py),
+registered with the agent, so that fencing a peer can revoke exactly its
+access (``revoke_windows``) and nobody else's.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import numpy as np
 from daemon import failpoints
 from daemon.memory import MappedRegion
 from daemon.vram import VramRegion
+from daemon.window import Window
 from schemas.events import Blocks
 from schemas.kvlayout import EngineSpec, GroupSpec, MemoryKind, RemoteEngine, RemoteGroup
 
@@ -220,7 +226,7 @@ def build_indices(
     )
 
 
-def _local_remote_engine(spec: EngineSpec, regions: Mapping[str, Region]) -> RemoteEngine:
+def _local_remote_engine(spec: EngineSpec, regions: Mapping[str, Region | Window]) -> RemoteEngine:
     """Validate a local engine against its mapped regions; the view peers need."""
     by_name = {r.name: r for r in spec.regions}
     for r in spec.regions:
@@ -244,7 +250,9 @@ def _local_remote_engine(spec: EngineSpec, regions: Mapping[str, Region]) -> Rem
     return RemoteEngine(spec.engine_id, memory, device, tuple(groups))
 
 
-def _engine_memory(spec: EngineSpec, regions: Mapping[str, Region]) -> tuple[MemoryKind, int]:
+def _engine_memory(
+    spec: EngineSpec, regions: Mapping[str, Region | Window]
+) -> tuple[MemoryKind, int]:
     """Where all of an engine's regions live: one NIXL memory type and device per engine.
 
     A descriptor list has one memory type and RemoteEngine one (memory,
@@ -262,7 +270,7 @@ def _engine_memory(spec: EngineSpec, regions: Mapping[str, Region]) -> tuple[Mem
 
 
 def _local_group(
-    g: int, group: GroupSpec, specs: Mapping[str, object], regions: Mapping[str, Region]
+    g: int, group: GroupSpec, specs: Mapping[str, object], regions: Mapping[str, Region | Window]
 ) -> RemoteGroup:
     if group.block_bytes <= 0 or group.num_blocks <= 0 or not group.layers:
         raise DataPlaneError(
@@ -361,10 +369,19 @@ class _LocalEngine:
 
 
 @dataclass(slots=True)
+class _PeerWindows:
+    windows: list[Window]
+    reg_dlists: list[Any]
+
+
+@dataclass(slots=True)
 class _WorkerState:
     agent: Any = None  # nixl_agent; created and used on the worker thread only
     local: dict[str, _LocalEngine] = field(default_factory=dict)
     remote: dict[tuple[str, str], Any] = field(default_factory=dict)
+    windows: dict[tuple[str, str], _PeerWindows] = field(default_factory=dict)  # (peer, engine)
+    # Revoked windows, kept as reservations while the peer that knew them may live.
+    revoked: dict[str, list[Window]] = field(default_factory=dict)
     inflight: dict[int, _InFlight] = field(default_factory=dict)
     expect: bool = False
     leaked: list[Any] = field(default_factory=list)
@@ -602,7 +619,20 @@ class _Worker:
         entry = self.st.inflight.pop(xid, None)
         if entry is None:
             return "settled"  # already finished (or failed) before the cancel arrived
+        # One last look, so a write that already ended is reported as what it
+        # was (a fenced peer's faulting write must show as failed, not aborted).
+        try:
+            state = self.st.agent.check_xfer_state(entry.handle)
+        except Exception:
+            state = "ERR"
+        if state == "DONE":
+            self._finish(entry)
+            return "settled"
         self._release_xfer(entry.handle)
+        if state != "PROC":
+            error = TransferError(f"write {xid} failed in NIXL", code="xfer_err")
+            self._resolve(entry.post.fut, exc=error)
+            return "settled"
         self._cancel_future(entry.post.fut)
         return "aborted"
 
@@ -650,7 +680,67 @@ class _Worker:
         local.dlist.release()
         for reg in local.reg_dlists:
             st.agent.deregister_memory(reg)
+        # An engine leaves only with no live request: no peer has a write
+        # for it to make, so its windows can go (the reservations of fenced
+        # peers stay).
+        for key in [k for k in st.windows if k[1] == engine_id]:
+            self._close_windows(st.windows.pop(key))
         return n
+
+    def open_windows(
+        self, peer: str, engine_id: str, regions: Sequence[MappedRegion]
+    ) -> list[Window]:
+        st = self.st
+        if (peer, engine_id) in st.windows:
+            raise DataPlaneError(
+                f"engine {engine_id!r} already has windows for {peer!r}", code="duplicate"
+            )
+        windows: list[Window] = []
+        regs: list[Any] = []
+        try:
+            for region in regions:
+                windows.append(Window(region))
+                rows = np.array([[windows[-1].base, region.size, 0]], dtype=np.uint64)
+                regs.append(st.agent.register_memory(rows, "DRAM"))
+        except BaseException:
+            self._close_windows(_PeerWindows(windows, regs))
+            raise
+        st.windows[(peer, engine_id)] = _PeerWindows(windows, regs)
+        return windows
+
+    def revoke_windows(self, peer: str) -> int:
+        """Revoke, then deregister, every window of ``peer``; returns how many."""
+        st = self.st
+        n = 0
+        for key in [k for k in st.windows if k[0] == peer]:
+            entry = st.windows.pop(key)
+            # Revoke first: from here on a stale write faults, whatever NIXL does next.
+            for window in entry.windows:
+                window.revoke()
+            st.revoked.setdefault(peer, []).extend(entry.windows)
+            for reg in entry.reg_dlists:
+                try:
+                    st.agent.deregister_memory(reg)
+                except Exception as exc:
+                    log.warning("deregistering a revoked window failed: %s", exc)
+            n += len(entry.windows)
+        return n
+
+    def drop_revoked(self, peer: str) -> int:
+        """Free the reservations of ``peer``'s revoked windows (that process is gone)."""
+        windows = self.st.revoked.pop(peer, [])
+        for window in windows:
+            window.close()
+        return len(windows)
+
+    def _close_windows(self, entry: _PeerWindows) -> None:
+        for reg in entry.reg_dlists:
+            try:
+                self.st.agent.deregister_memory(reg)
+            except Exception as exc:
+                log.warning("deregistering a window failed: %s", exc)
+        for window in entry.windows:
+            window.close()
 
     def add_remote_agent(self, metadata: bytes) -> str:
         name = self.st.agent.add_remote_agent(metadata)
@@ -736,6 +826,10 @@ class _Worker:
             steps.append(
                 (f"remote agent {agent_name}", lambda a=agent_name: st.agent.remove_remote_agent(a))
             )
+        steps += [
+            (f"windows {key}", lambda e=entry: self._close_windows(e))
+            for key, entry in st.windows.items()
+        ]
         for engine_id, local in st.local.items():
             steps.append((f"local dlist {engine_id}", local.dlist.release))
             steps += [
@@ -751,6 +845,7 @@ class _Worker:
         # destructor run on this thread, not wherever the GC happens to be.
         st.remote.clear()
         st.local.clear()
+        st.windows.clear()
         st.leaked.clear()
         st.agent = None
         if self._stop is not None:
@@ -931,6 +1026,38 @@ class DataPlane:
         self._local[spec.engine_id] = geometry
         return engine
 
+    async def open_windows(
+        self, peer: str, spec: EngineSpec, regions: Mapping[str, Region]
+    ) -> RemoteEngine:
+        """The ``RemoteEngine`` to give ``peer``: its own windows onto the engine's regions.
+
+        VRAM cannot be mapped twice in one process (a CUDA IPC handle opens
+        once), so a VRAM engine's peers share its one registration, and
+        fencing cannot revoke their access to it (see RELIABILITY.md).
+        """
+        worker = self._live_worker()
+        if spec.engine_id not in self._local:
+            raise DataPlaneError(f"unknown local engine {spec.engine_id!r}", code="unknown_engine")
+        mapped = [regions[r.name] for r in spec.regions]
+        if not all(isinstance(m, MappedRegion) for m in mapped):
+            return _local_remote_engine(spec, regions)
+        dram = [m for m in mapped if isinstance(m, MappedRegion)]
+        windows = await self._call(lambda: worker.open_windows(peer, spec.engine_id, dram))
+        return _local_remote_engine(spec, {w.name: w for w in windows})
+
+    async def revoke_windows(self, peer: str) -> int:
+        """Fence ``peer`` out of this process's memory: a write it posts from now on faults.
+
+        Returns how many windows were revoked; open new ones for its next link.
+        """
+        worker = self._live_worker()
+        return await self._call(lambda: worker.revoke_windows(peer))
+
+    async def drop_revoked(self, peer: str) -> int:
+        """Unmap ``peer``'s revoked windows, once the process that knew them is known gone."""
+        worker = self._live_worker()
+        return await self._call(lambda: worker.drop_revoked(peer))
+
     async def remove_local_engine(self, engine_id: str) -> int:
         """Abort its writes in flight, release its list, deregister its regions.
 
@@ -1059,7 +1186,12 @@ class DataPlane:
             await _settle(ack)
         finally:
             if fut.done() and not fut.cancelled():
-                fut.exception()  # retrieved: nobody else will look at it
+                exc = fut.exception()  # retrieved: nobody else will look at it
+                if isinstance(exc, TransferError):
+                    # Posted before the cancel reached the worker, and failed
+                    # (a fenced peer's revoked window, say): worth a count and a line.
+                    self.write_errors += 1
+                    log.warning("write %d failed before its cancel arrived: %s", xid, exc)
 
     # ---- notifications ---------------------------------------------------------
 

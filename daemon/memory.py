@@ -69,7 +69,7 @@ class MappedRegion:
     next.
     """
 
-    def __init__(self, name: str, mapping: mmap.mmap, path: str) -> None:
+    def __init__(self, name: str, mapping: mmap.mmap, path: str, fd: int) -> None:
         self.name = name
         self.path = path
         self.size = len(mapping)
@@ -80,10 +80,19 @@ class MappedRegion:
         # mapping never moves, so ``base`` is fixed for the region's life.
         self._array: np.ndarray | None = np.frombuffer(mapping, dtype=np.uint8)
         self.base: int = int(self._array.ctypes.data)
+        # Kept open so more mappings of the same pages can be made later
+        # (daemon/window.py: one per peer, re-made after a fence).
+        self._fd: int | None = fd
 
     @property
     def closed(self) -> bool:
         return self._array is None
+
+    def fileno(self) -> int:
+        """The region file, open read-write, for further mappings of its pages."""
+        if self._fd is None:
+            raise RegionError(f"region {self.name!r} is closed")
+        return self._fd
 
     def view(self) -> np.ndarray:
         """A writable uint8 array over the whole region."""
@@ -101,6 +110,9 @@ class MappedRegion:
         if self._mmap is None:
             return
         mapping, self._mmap, self._array = self._mmap, None, None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         # BufferError: a view is still exported; the last one to go unmaps.
         with contextlib.suppress(BufferError):
             mapping.close()
@@ -156,10 +168,9 @@ def map_dram_region(spec: RegionSpec, *, owner_uid: int | None) -> MappedRegion:
     try:
         mapping = mmap.mmap(fd, spec.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as exc:
+        os.close(fd)
         raise RegionError(f"region {spec.name!r}: cannot map {spec.path!r}: {exc}") from None
-    finally:
-        os.close(fd)  # the mapping keeps the pages; the descriptor is not needed
-    return MappedRegion(spec.name, mapping, real)
+    return MappedRegion(spec.name, mapping, real, fd)
 
 
 def create_shm_file(path: str, size: int, *, mode: int = 0o600) -> RegionSpec:

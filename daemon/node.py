@@ -90,6 +90,8 @@ class EngineState:
     offload: OffloadPool | None = None
     offload_region: MappedRegion | None = None
     live: int = 0
+    # What each peer is told: the engine seen through that peer's own windows.
+    windows: dict[str, RemoteEngine] = field(default_factory=dict)
 
 
 @dataclass
@@ -141,6 +143,7 @@ class Node:
         self.records_since_snapshot = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._chains: dict[tuple[str, Any], asyncio.Task[Any]] = {}
+        self._window_locks: dict[str, asyncio.Lock] = {}
         self.counters: dict[str, int] = {
             "writes_started": 0,
             "writes_done": 0,
@@ -434,6 +437,15 @@ class Node:
                 region.close()
             raise RegionError(str(exc)) from exc
         engine = EngineState(spec, regions, remote, session)
+        try:
+            for peer in self.config.peers:
+                async with self._windows_lock(peer.node):
+                    engine.windows[peer.node] = await self.dataplane.open_windows(
+                        peer.node, spec, regions
+                    )
+        except DataPlaneError as exc:
+            await self._close_engine_memory(engine)
+            raise RegionError(str(exc)) from exc
         if req.offload is not None:
             engine.offload_region = self._map_one(req.offload, session.uid)
             # The pool starts zeroed: nothing left from before a restart leaks.
@@ -443,10 +455,9 @@ class Node:
         self._resend_outcomes(req.engine_id)
         if self.peers is not None:
             self._metadata = await self.dataplane.metadata()
-            update = pm.Engines(tuple(e.remote for e in self.engines.values()), self._metadata)
             for info in self.peers.links:
                 if info.up:
-                    self.peers.send(info.node, update)
+                    self.peers.send(info.node, self._engines_for(info.node))
         self.log.info("engine registered", engine=req.engine_id, groups=len(req.groups))
         return rpc.Ok(req.id)
 
@@ -719,6 +730,12 @@ class Node:
                 "lag": (journal.next_seq - 1 - journal.durable_seq) if journal else 0,
             },
             "counters": dict(self.counters),
+            "dataplane": {
+                "writes": self.dataplane.writes,
+                "write_errors": self.dataplane.write_errors,
+                "writes_cancelled": self.dataplane.writes_cancelled,
+                "bytes_written": self.dataplane.bytes_written,
+            },
             "writes_in_flight": len(self.writes),
             **self.status_extras,
         }
@@ -924,14 +941,70 @@ class Node:
                     f"this node's engines have {sorted(local)}",
                 )
 
-    def hello(self) -> pm.Hello:
+    def _peer_view(self, peer: str) -> tuple[RemoteEngine, ...]:
+        # Never the engines' own mapping: a peer only learns its windows.
+        return tuple(e.windows[peer] for e in self.engines.values() if peer in e.windows)
+
+    def _engines_for(self, peer: str) -> pm.Engines:
+        return pm.Engines(self._peer_view(peer), self._metadata)
+
+    def hello(self, peer: str) -> pm.Hello:
         return pm.Hello(
             node=self.config.node,
             boot_id=self.boot_id,
             agent_name=self.dataplane.agent_name,
             agent_metadata=self._metadata,
-            engines=tuple(e.remote for e in self.engines.values()),
+            engines=self._peer_view(peer),
         )
+
+    async def fence(self, node: str) -> None:
+        """Make sure nothing more moves between ``node`` and this daemon's memory.
+
+        Forgets its agent (nothing more is posted to it) and revokes its
+        windows (a write it posts from now on faults instead of landing,
+        whatever state it is in: frozen, partitioned, or thawing with an old
+        descriptor list). Only after this may the blocks it could write be
+        handed back. It then gets fresh windows for its next link.
+        """
+        if self.fatal is not None or self.stopping:
+            # The data plane is closed or closing; its close unmapped every window.
+            return
+        state = self.peer_state.get(node)
+        if state is not None and state.agent_name:
+            with contextlib.suppress(Exception):
+                await self.dataplane.remove_remote_agent(state.agent_name)
+            state.agent_name = ""
+        async with self._windows_lock(node):
+            try:
+                revoked = await self.dataplane.revoke_windows(node)
+            except DataPlaneError:
+                if self.fatal is not None or self.stopping:
+                    return  # closed under us: the close unmapped every window
+                raise
+            for engine in list(self.engines.values()):
+                engine.windows.pop(node, None)
+                if self.engines.get(engine.spec.engine_id) is not engine:
+                    continue  # detached meanwhile
+                try:
+                    engine.windows[node] = await self.dataplane.open_windows(
+                        node, engine.spec, engine.regions
+                    )
+                except DataPlaneError as exc:
+                    # Leaving this engine out of what the peer is told is safe:
+                    # requests for it fail as unknown to the peer.
+                    self.log.warning(
+                        "no new window", peer=node, engine=engine.spec.engine_id, error=str(exc)
+                    )
+            self._metadata = await self.dataplane.metadata()
+        self.log.info("peer fenced", peer=node, windows_revoked=revoked)
+        # If it is already back on a new link, that link's Hello may have
+        # named the windows just revoked: tell it the new ones.
+        self.tell_peer(node, self._engines_for(node))
+
+    def _windows_lock(self, peer: str) -> asyncio.Lock:
+        # One fence or window opening per peer at a time, so a window is
+        # never opened and revoked out of order.
+        return self._window_locks.setdefault(peer, asyncio.Lock())
 
     _metadata: bytes = b""
 
@@ -943,6 +1016,9 @@ class Node:
         if state.agent_name and state.agent_name != hello.agent_name:
             with contextlib.suppress(Exception):
                 await self.dataplane.remove_remote_agent(state.agent_name)
+        if state.boot_id and state.boot_id != hello.boot_id:
+            # A new process: the old one, which knew the revoked windows, is gone.
+            await self.dataplane.drop_revoked(node)
         state.agent_name = await self.dataplane.add_remote_agent(hello.agent_metadata)
         state.boot_id = hello.boot_id
         state.engines = {}
@@ -1000,12 +1076,7 @@ class Node:
     async def peer_down(self, node: str, reason: str) -> None:
         """A peer is dead (TTL, disconnect): fence it, fail what depended on it."""
         self.log.warning("peer down", peer=node, reason=reason)
-        state = self.peer_state.get(node)
-        if state is not None and state.agent_name:
-            # Fence: forget its agent so nothing more is posted to or from it.
-            with contextlib.suppress(Exception):
-                await self.dataplane.remove_remote_agent(state.agent_name)
-            state.agent_name = ""
+        await self.fence(node)
         message = f"peer {node} is dead ({reason})"
         for listed in list(self.registry.live.values()):
             # Each await below lets other handlers (an engine's release, say)
@@ -1252,14 +1323,10 @@ class Node:
             await self.fail_and_tell(current, event.reason, event.message)
         elif isinstance(event, PeerSettled):
             # Fence the peer before declaring no write can land any more.
-            state = self.peer_state.get(current.peer)
             link = self.peers.link(current.peer) if self.peers is not None else None
             if link is not None:
                 link.close("fenced", "a quarantine deadline passed")
-            if state is not None and state.agent_name:
-                with contextlib.suppress(Exception):
-                    await self.dataplane.remove_remote_agent(state.agent_name)
-                state.agent_name = ""
+            await self.fence(current.peer)
             await self.record_durably(event)
             await self.follow_up(current.request_id)
         else:

@@ -534,7 +534,8 @@ class LinkInfo(msgspec.Struct, frozen=True):
 class PeerManager:
     """Listens, dials and keeps one authenticated link per configured peer.
 
-    Callbacks run on the event loop and must not block: ``on_up(node, hello,
+    ``hello(node)`` builds the Hello for that peer (each peer is told its own
+    memory windows). Callbacks run on the event loop and must not block: ``on_up(node, hello,
     link)`` (may raise PeerRejected), ``on_message(node, message)`` in arrival
     order per link, ``on_down(node, reason)`` once per link whose ``on_up``
     returned normally (also on :meth:`close`, with reason ``shutdown``).
@@ -547,7 +548,7 @@ class PeerManager:
         listen: str,
         peers: Sequence[PeerConfig],
         *,
-        hello: Callable[[], Hello],
+        hello: Callable[[str], Hello],
         on_up: OnUp,
         on_message: OnMessage,
         on_down: OnDown,
@@ -808,7 +809,7 @@ class PeerManager:
                     await _dial_auth(wire, self.node, self._secret, expected)
                     node = expected
                 wire.recv_limit = wire.max_frame_bytes  # authenticated: Hello may be large
-                wire.send(self._own_hello())
+                wire.send(self._own_hello(node))
                 hello = await _expect(wire, Hello)
         except TimeoutError as exc:
             raise LinkAborted(
@@ -822,9 +823,9 @@ class PeerManager:
             )
         return hello
 
-    def _own_hello(self) -> Hello:
+    def _own_hello(self, peer: str) -> Hello:
         try:
-            hello = self._hello()
+            hello = self._hello(peer)
         except Exception as exc:
             self._log.exception("peer_hello_failed")
             raise LinkAborted(LinkReason.INTERNAL_ERROR, "cannot build Hello") from exc

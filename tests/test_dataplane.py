@@ -442,6 +442,60 @@ async def test_removing_the_remote_agent_fences_writes_in_flight(
 
 
 # --------------------------------------------------------------------------
+# windows: each peer writes through its own mapping, revocable alone
+
+
+async def test_a_revoked_window_faults_stale_writes_and_spares_other_peers(
+    engines: Callable[..., Engine],
+) -> None:
+    # Two pushers ("peers") hold descriptors for one receiver engine, each
+    # through its own window. Revoking p1's windows (what fencing p1 does)
+    # must make p1's next write, posted with its stale descriptor list, fail
+    # without changing a byte, while p2 keeps writing.
+    src, dst = engines("pre"), engines("dec")
+    fill_pattern(src)
+    fill_noise(dst, seed=3)
+    receiver = DataPlane(_unique("recv"))
+    pushers = {peer: DataPlane(_unique(peer)) for peer in ("p1", "p2")}
+    try:
+        await receiver.start()
+        own = await receiver.add_local_engine(dst.spec, dst.regions)
+        views = {peer: await receiver.open_windows(peer, dst.spec, dst.regions) for peer in pushers}
+        metadata = await receiver.metadata()
+        for peer, pusher in pushers.items():
+            assert views[peer].groups != own.groups  # never the engine's own addresses
+            await pusher.start()
+            await pusher.add_local_engine(src.spec, src.regions)
+            await pusher.add_remote_agent(metadata)
+            await pusher.add_remote_engine(receiver.agent_name, views[peer])
+
+        async def write(peer: str, s: Blocks, d: Blocks) -> WriteResult:
+            pusher = pushers[peer]
+            return await pusher.write("pre", receiver.agent_name, "dec", s, d, b"")
+
+        before = dst.snapshot()
+        await write("p1", PARTIAL_SRC, PARTIAL_DST)
+        expected = expected_after(src, dst, before, PARTIAL_SRC, PARTIAL_DST)
+        assert_regions_equal(dst, expected)  # a window shows the engine's own pages
+
+        assert await receiver.revoke_windows("p1") == len(dst.spec.regions)
+        fill_noise(dst, seed=4)  # the blocks change hands: new contents
+        after_revoke = dst.snapshot()
+        with pytest.raises(TransferError):
+            await write("p1", PARTIAL_SRC, PARTIAL_DST)
+        assert_regions_equal(dst, after_revoke)
+
+        other: Blocks = ((20, 21), (20, 21))
+        await write("p2", PARTIAL_SRC, other)
+        assert_regions_equal(dst, expected_after(src, dst, after_revoke, PARTIAL_SRC, other))
+        assert await receiver.drop_revoked("p1") == len(dst.spec.regions)
+    finally:
+        for pusher in pushers.values():
+            await pusher.close()
+        await receiver.close()
+
+
+# --------------------------------------------------------------------------
 # across processes: the receiver is its own process with its own mapping
 
 

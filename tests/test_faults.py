@@ -310,3 +310,52 @@ async def test_a_peer_frozen_past_its_ttl_is_declared_dead_and_resurrects_nothin
 def _stopped(pid: int) -> bool:
     # /proc/PID/stat: the state letter follows the command name in parentheses.
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.slow
+async def test_a_pusher_frozen_just_before_posting_cannot_write_once_fenced(
+    tmp_path: Path, closing: list[CrashPair]
+) -> None:
+    # The prefill daemon stops itself (SIGSTOP) on the worker thread just
+    # before its first WRITE, having decided to write with the decode
+    # engine's addresses in hand. The decode daemon declares it dead, fences
+    # it and hands the blocks back; then the prefill thaws and goes on to post
+    # with those stale addresses. Fencing revoked the window they point
+    # into, so the write must fault: the freed blocks keep the bytes they had.
+    pair = await started_pair(tmp_path, closing, {PREFILL: "nixl.post=stop@1"})
+    steps = Steps(pair)
+    prefill = pair.daemons[PREFILL]
+    assert prefill.proc is not None
+    await steps.register_both("late", 1, kv_ready=True)
+    await wait_until(
+        "the prefill daemon froze at nixl.post", lambda: _stopped(prefill.proc.pid), 10
+    )
+
+    failed = await outcome(steps.de, "late", PEER_TTL_S + 10.0)
+    assert isinstance(failed, rpc.RequestFailed) and failed.reason == Reason.PEER_DEAD, failed
+    # Fenced: the release is honoured at once, the blocks are free again.
+    assert isinstance(await steps.release(DECODE, "late"), rpc.Ok)
+    assert steps.de.stray_changes() == []
+
+    os.kill(prefill.proc.pid, signal.SIGCONT)
+    thawed = await outcome(steps.pe, "late", PEER_TTL_S + 10.0)
+    assert isinstance(thawed, rpc.RequestFailed), thawed
+
+    # The worker went on from the failpoint into make_prepped_xfer and
+    # transfer() with the old descriptors; wait until that write settled.
+    # It cannot have succeeded; whether it is counted as failed or as
+    # cancelled depends on whether a deadline or the fence reached it before
+    # the fault was seen.
+    def settled() -> dict[str, int] | None:
+        st = prefill.status()
+        dp = st["dataplane"]
+        done = not st["writes_in_flight"] and dp["write_errors"] + dp["writes_cancelled"] >= 1
+        return dp if done else None
+
+    dataplane = await wait_until("the stale write settled", settled, 10.0)
+    assert dataplane["writes"] == 0, dataplane
+    # Not one byte of the released blocks changed.
+    assert steps.de.stray_changes() == []
+    await steps.release(PREFILL, "late")
+    await pair.wait_link()
+    await finish(pair)

@@ -128,7 +128,7 @@ class Cluster:
             secret,
             listen,
             peers,
-            hello=lambda: hello_for(node, boot),
+            hello=lambda peer: hello_for(node, boot),
             on_up=rec.on_up,
             on_message=rec.on_message,
             on_down=rec.on_down,
@@ -795,7 +795,7 @@ node, peer, port, boot_id, hb, ttl = sys.argv[1:7]
 async def main() -> None:
     manager = PeerManager(
         node, os.environb[b"KVPUSHD_TEST_SECRET"], "", [PeerConfig(peer, f"127.0.0.1:{port}")],
-        hello=lambda: Hello(node, boot_id, "agent", b"", ()),
+        hello=lambda peer: Hello(node, boot_id, "agent", b"", ()),
         on_up=lambda *_: None, on_message=lambda *_: None, on_down=lambda *_: None,
         heartbeat_s=float(hb), peer_ttl_s=float(ttl), backoff_s=(0.05, 0.3),
     )
