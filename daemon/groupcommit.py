@@ -132,7 +132,9 @@ class GroupCommit:
             else:
                 still_waiting.append((seq, future))
         self._waiters = still_waiting
-        if still_waiting:
+        # Records appended during the sync ride the next one even when nobody
+        # waits for them yet, so the journal never lags behind the daemon.
+        if still_waiting or self._journal.next_seq - 1 > durable:
             self.request()
 
     def _failed(self, exc: JournalFatal) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import itertools
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from daemon.groupcommit import GroupCommit
 from daemon.journal import (
     FRAME_OVERHEAD,
     HEADER_SIZE,
@@ -212,6 +215,42 @@ def test_zero_commit_window_commits_every_append(journal_dir: Path) -> None:
     with Journal.open(journal_dir, commit_window_s=0) as journal:
         assert journal.append(b"x") == 1
         assert journal.durable_seq == 1
+
+
+async def test_group_commit_syncs_what_was_appended_during_a_sync_unasked(
+    journal_dir: Path,
+) -> None:
+    # A record appended while a sync is in flight, that nobody awaits (a
+    # detach, a refusal journaled before the reply is built), must still be
+    # made durable soon after, not left buffered until some later commit.
+    gate, in_sync = threading.Event(), threading.Event()
+    hold = False
+
+    def fdatasync(fd: int) -> None:
+        if hold:
+            in_sync.set()
+            gate.wait(10)
+        os.fdatasync(fd)
+
+    with Journal.open(journal_dir, fdatasync=fdatasync, commit_window_s=3600) as journal:
+        commit = GroupCommit(journal, on_fatal=lambda exc: None)
+        try:
+            hold = True
+            first = journal.append(b"awaited")
+            waiter = asyncio.ensure_future(commit.durable(first))
+            assert await asyncio.to_thread(in_sync.wait, 10)
+            hold = False
+            unasked = journal.append(b"appended meanwhile")
+            gate.set()
+            await asyncio.wait_for(waiter, 10)
+            for _ in range(500):
+                if journal.durable_seq >= unasked:
+                    break
+                await asyncio.sleep(0.01)
+            assert journal.durable_seq == unasked
+            assert journal.pending == 0
+        finally:
+            commit.close()
 
 
 def test_payload_size_limits(journal_dir: Path) -> None:
