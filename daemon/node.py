@@ -521,6 +521,12 @@ class Node:
 
     async def _unmap_detached(self, engine: EngineState, seq: int) -> None:
         await self._close_engine_memory(engine)
+        if self.peers is not None and not (self.stopping or self.fatal):
+            # Peers forget it too (their prepared lists of it would only grow).
+            self._metadata = await self.dataplane.metadata()
+            for info in self.peers.links:
+                if info.up:
+                    self.peers.send(info.node, self._engines_for(info.node))
         # Nobody waits on the detach, so nothing else would commit it soon.
         await self.durable(seq)
 
@@ -730,6 +736,7 @@ class Node:
                 "lag": (journal.next_seq - 1 - journal.durable_seq) if journal else 0,
             },
             "counters": dict(self.counters),
+            "peer_engines": {node: sorted(p.engines) for node, p in self.peer_state.items()},
             "dataplane": {
                 "writes": self.dataplane.writes,
                 "write_errors": self.dataplane.write_errors,
@@ -1043,6 +1050,12 @@ class Node:
                 await self.dataplane.remove_remote_engine(state.agent_name, engine.engine_id)
             await self.dataplane.add_remote_engine(state.agent_name, engine)
             state.engines[engine.engine_id] = engine
+        # The list is the peer's whole view: an engine missing from it left.
+        listed = {engine.engine_id for engine in engines}
+        for engine_id in [e for e in state.engines if e not in listed]:
+            del state.engines[engine_id]
+            with contextlib.suppress(DataPlaneError):
+                await self.dataplane.remove_remote_engine(state.agent_name, engine_id)
 
     def _reconcile(self, node: str) -> None:
         """After (re)connecting, say again what the peer may have missed."""

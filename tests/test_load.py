@@ -196,11 +196,15 @@ def live_states(daemon: Daemon) -> dict[str, int]:
 
 
 async def wait_idle(daemons: tuple[Daemon, ...], timeout: float = 30.0) -> None:
-    """Until no request is live and no engine is attached on either daemon."""
+    """Until no request is live, no engine is attached and the journal is synced, on both.
+
+    A sync in flight holds a duplicate of the segment's descriptor: waiting
+    for it keeps descriptor counts comparable.
+    """
     deadline = time.monotonic() + timeout
     while True:
         statuses = [d.status() for d in daemons]
-        if all(s["live"] == 0 and not s["engines"] for s in statuses):
+        if all(s["live"] == 0 and not s["engines"] and not s["journal"]["lag"] for s in statuses):
             return
         if time.monotonic() > deadline:
             raise AssertionError([(s["live"], sorted(s["engines"])) for s in statuses])
@@ -309,3 +313,10 @@ async def test_closed_engines_leave_no_shared_memory_behind(pair: tuple[Daemon, 
     assert not still, f"closed engines' files still mapped: {still}"
     after = Sample.take(pair, 0)
     assert after.fds == before.fds, (before, after)
+    # Each daemon tells its peer its engines left: neither keeps them.
+    deadline = time.monotonic() + 10.0
+    while kept := {
+        d.node: d.status()["peer_engines"] for d in pair if any(d.status()["peer_engines"].values())
+    }:
+        assert time.monotonic() < deadline, f"peers' departed engines still known: {kept}"
+        await asyncio.sleep(0.05)
