@@ -246,8 +246,8 @@ class Registry:
     def _check_unowned(self, engine_id: str, blocks: Blocks, request_id: str) -> None:
         for g, ids in enumerate(blocks):
             owners = self._owners.get((engine_id, g))
-            if not owners:
-                continue
+            if not owners or owners.keys().isdisjoint(ids):
+                continue  # none of these blocks is anyone's (the common case, checked in C)
             for block in ids:
                 owner = owners.get(block)
                 if owner is not None and owner != request_id:
@@ -548,23 +548,28 @@ class Registry:
         return None
 
     def _claim(self, record: RequestRecord) -> None:
+        owned, engine_id, request_id = self._owners, record.engine_id, record.request_id
         for g, ids in enumerate(record.blocks):
             if ids:
-                owners = self._owners.setdefault((record.engine_id, g), {})
-                for block in ids:
-                    owners[block] = record.request_id
+                owners = owned.get((engine_id, g))
+                if owners is None:
+                    owned[(engine_id, g)] = dict.fromkeys(ids, request_id)
+                else:
+                    owners.update(dict.fromkeys(ids, request_id))
 
     def _drop(self, record: RequestRecord) -> None:
         # Invariant 5: nothing about a released request survives but its tombstone.
         del self.live[record.request_id]
         if record.role is RECEIVER:
+            owned, engine_id = self._owners, record.engine_id
             for g, ids in enumerate(record.blocks):
-                owners = self._owners.get((record.engine_id, g))
+                owners = owned.get((engine_id, g))
                 if owners is not None:
+                    pop = owners.pop
                     for block in ids:
-                        owners.pop(block, None)
+                        pop(block, None)
                     if not owners:
-                        del self._owners[(record.engine_id, g)]
+                        del owned[(engine_id, g)]
         self.tombstones.add(record.request_id, record.incarnation)
 
     # -------------------------------------------------------------- snapshots
