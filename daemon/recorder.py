@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from daemon.journal import Journal
+from daemon.journal import MAX_RECORD_BYTES, Journal
 from daemon.replay import encode_snapshot
 from schemas.events import FORMAT_VERSION, Event, Record, encode_record
 from statemachine import Registry
@@ -36,11 +36,19 @@ class Recorder:
         """Apply then append ``event``; returns the record and what it touched.
 
         The core validates first: an event it refuses raises ``Refusal`` and
-        is neither applied nor journaled.
+        is neither applied nor journaled; so is one too large to journal
+        (``ValueError``).
         """
         record = Record(FORMAT_VERSION, self.node, self.journal.next_seq, self._clock(), event)
+        payload = encode_record(record)
+        # Refuse what the journal would refuse before the registry moves: a
+        # change in memory without its record would be lost on replay. (An
+        # append that then fails on I/O is fatal: the daemon stops and
+        # replays.)
+        if len(payload) > MAX_RECORD_BYTES:
+            raise ValueError(f"payload must be 1..{MAX_RECORD_BYTES} bytes, got {len(payload)}")
         touched = self.registry.apply(event, record.ts)
-        seq = self.journal.append(encode_record(record))
+        seq = self.journal.append(payload)
         if seq != record.seq:
             # The journal is the only source of sequence numbers; a mismatch
             # means two writers, which would break replay order.

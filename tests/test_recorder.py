@@ -1,0 +1,40 @@
+"""The recorder changes the registry only for records the journal will take."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from daemon.journal import MAX_RECORD_BYTES, Journal
+from daemon.recorder import Recorder
+from daemon.replay import replay
+from schemas.events import DaemonStarted, Failed, KvReady
+from schemas.layout import Role
+from schemas.reasons import Reason
+from statemachine import Registry
+from tests.lifecycle import PREFILL, FakeClock
+
+
+def test_a_record_too_large_for_the_journal_changes_nothing(tmp_path: Path) -> None:
+    with Journal.open(tmp_path / "j") as journal:
+        rec = Recorder(journal, Registry(), node="prefill", clock=FakeClock())
+        rec.record(DaemonStarted(1, "test", "boot-1"))
+        rec.record(rec.registry.check_attach(PREFILL))
+        rec.record(
+            rec.registry.check_register("r1", 1, Role.PUSHER, PREFILL.engine_id, "d", [[1], [2]])
+        )
+        before = rec.registry.snapshot(0)
+        next_seq = journal.next_seq
+
+        huge = Failed("r1", 1, Reason.ABORTED, "x" * (MAX_RECORD_BYTES + 1))
+        with pytest.raises(ValueError, match="payload must be"):
+            rec.record(huge)
+
+        # Neither the registry nor the journal moved; the next record goes on.
+        assert rec.registry.snapshot(0) == before
+        assert journal.next_seq == next_seq
+        rec.record(KvReady("r1", 1))
+        journal.commit()
+    replayed = replay(tmp_path / "j").registry
+    assert replayed.snapshot(0) == rec.registry.snapshot(0)
