@@ -353,6 +353,10 @@ class EngineClient:
                 ) from None
         finally:
             self._pending.pop(request.id, None)
+            if future.done() and not future.cancelled():
+                # A failed send also failed this future (through _lose); the
+                # caller gets the send's exception, so mark this one seen.
+                future.exception()
         return _check_reply(request, reply, expect)
 
     async def _send(self, frame: bytearray) -> None:

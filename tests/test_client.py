@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -830,3 +831,34 @@ async def test_sim_engine_process_scripted_mode_with_loopback_fake_daemon(
     assert lines[1]["ok"] and lines[1]["tag"] == 1 and lines[1]["status"]["node"] == "fake"
     assert not lines[2]["ok"] and not lines[3]["ok"]
     assert not list(SHM.glob(f"{_prefix('scr')}-*"))
+
+
+async def test_a_failed_send_leaves_no_unretrieved_exception_with_fake_daemon(
+    daemon: FakeDaemon,
+) -> None:
+    # The client's own socket can no longer send (shut down for writing):
+    # the call raises ConnectionLost, and the call's reply future, failed by
+    # the same loss, must not be left for asyncio to report as "Future
+    # exception was never retrieved" whenever it is collected (it used to be,
+    # once per lost connection). The futures the call creates are watched
+    # for asyncio's own "not retrieved" flag, which is what that report reads.
+    client = await EngineClient.connect(daemon.path, client_name="test", timeout=5)
+    loop = asyncio.get_running_loop()
+    made: list[asyncio.Future[Any]] = []
+    create_future = loop.create_future
+
+    def watched() -> asyncio.Future[Any]:
+        made.append(create_future())
+        return made[-1]
+
+    client._writer.transport.get_extra_info("socket").shutdown(socket.SHUT_WR)
+    loop.create_future = watched  # type: ignore[method-assign]
+    try:
+        with pytest.raises(ConnectionLost):
+            await client.status()
+    finally:
+        del loop.create_future
+    failed = [f for f in made if f.done() and not f.cancelled()]
+    assert failed, "the call made no reply future"
+    assert [f for f in failed if f._log_traceback] == []  # type: ignore[attr-defined]
+    await client.close()
