@@ -262,7 +262,9 @@ class Node:
         if self.fatal is not None:
             return  # reported once; later calls only see the journal refuse
         self.fatal = exc
-        self.log.critical("journal write failed; stopping", error=str(exc))
+        # One line per failure: on_fatal's owner (the service) says it as it
+        # exits; this one only for a node run without such an owner.
+        self.log.debug("journal write failed; stopping", error=str(exc))
         self.on_fatal(exc)
 
     # -------------------------------------------------------------- recording
