@@ -26,12 +26,13 @@ class Tombstones:
             self.add(request_id, incarnation)
 
     def add(self, request_id: str, incarnation: int) -> None:
-        previous = self._by_id.pop(request_id, None)
+        by_id = self._by_id  # once per release in a fold of millions: one load, not four
+        previous = by_id.pop(request_id, None)
         if previous is not None and previous > incarnation:
             incarnation = previous
-        self._by_id[request_id] = incarnation
-        if len(self._by_id) > self.limit:
-            self._by_id.popitem(last=False)
+        by_id[request_id] = incarnation
+        if len(by_id) > self.limit:
+            by_id.popitem(last=False)
 
     def covers(self, request_id: str, incarnation: int) -> bool:
         """True if this incarnation (or a later one) of the id was released."""
