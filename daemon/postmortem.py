@@ -366,18 +366,18 @@ class _Columns:
         pending_append = self.pending.append
         details, index, keys, seqs = self.details, self.index, self.keys, self.seq
         kind_code, keep = _KIND_CODE, self.keep
+        first_request_kind, peer_registered = FIRST_REQUEST_KIND, K_PEER_REGISTERED
 
         def on_record(record: Record, touched: object) -> None:
             event = record.event
             kind = kind_code[type(event)]
-            step = len(seqs)
             if keep[kind]:
-                details[step] = event
+                details[len(seqs)] = event
             seq_append(record.seq)
             ts_append(record.ts)
             kind_append(kind)
             # Engine and daemon events, and refusals of nameless requests, are no request's.
-            if kind < FIRST_REQUEST_KIND or not event.request_id:  # type: ignore[attr-defined]
+            if kind < first_request_kind or not event.request_id:  # type: ignore[attr-defined]
                 req_append(-1)
                 return
             key = (event.request_id, event.incarnation)  # type: ignore[attr-defined]
@@ -386,8 +386,8 @@ class _Columns:
                 idx = index[key] = len(keys)
                 keys.append(key)
             req_append(idx)
-            if touched is None and kind == K_PEER_REGISTERED:
-                pending_append(step)
+            if touched is None and kind == peer_registered:
+                pending_append(len(seqs) - 1)  # this record's step, appended above
 
         return on_record
 
