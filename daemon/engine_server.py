@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import socket
 import struct
@@ -32,10 +33,34 @@ log = structlog.get_logger("kvpushd.rpc")
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
+# Linux >= 4.13; the socket module does not name it.
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+_NGROUPS_MAX = 65536
+
+
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process at the other end (SO_PEERCRED)."""
     data = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
     return _CRED.unpack(data)
+
+
+def peer_groups(sock: socket.socket) -> tuple[int, ...]:
+    """Supplementary gids of the process at the other end, as of its connect() (SO_PEERGROUPS).
+
+    SO_PEERCRED carries only the primary gid; an engine may belong to the
+    allowed group as a supplementary member.
+    """
+    for size in (64 * 4, _NGROUPS_MAX * 4):
+        try:
+            data = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, size)
+        except OSError as exc:
+            if exc.errno == errno.ERANGE:
+                continue  # more groups than the buffer holds: ask with the largest
+            if exc.errno in (errno.ENOPROTOOPT, errno.EINVAL):
+                return ()  # a kernel without it: the primary gid alone decides
+            raise
+        return struct.unpack(f"{len(data) // 4}I", data[: len(data) // 4 * 4])
+    return ()
 
 
 class Session:
@@ -128,8 +153,10 @@ class EngineServer:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
-    def _allowed(self, uid: int, gid: int) -> bool:
-        return uid in self.allowed_uids or gid in self.allowed_gids
+    def _allowed(self, uid: int, gid: int, groups: tuple[int, ...]) -> bool:
+        if uid in self.allowed_uids or gid in self.allowed_gids:
+            return True
+        return not self.allowed_gids.isdisjoint(groups)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -137,10 +164,11 @@ class EngineServer:
         self._tasks.add(task)  # type: ignore[arg-type]
         sock = writer.get_extra_info("socket")
         pid, uid, gid = peer_credentials(sock)
+        groups = peer_groups(sock) if self.allowed_gids else ()
         session = Session(writer, pid, uid, gid)
         clog = log.bind(node=self.node.config.node, peer_pid=pid, peer_uid=uid)
         try:
-            if not self._allowed(uid, gid):
+            if not self._allowed(uid, gid, groups):
                 clog.warning("engine connection refused: credentials not allowed", gid=gid)
                 session.send(
                     rpc.Error(

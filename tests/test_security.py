@@ -82,7 +82,14 @@ def open_workdir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def run_as(uid: int, gid: int, sock_path: str, payload: bytes, replies: int) -> list[bytes] | str:
+def run_as(
+    uid: int,
+    gid: int,
+    sock_path: str,
+    payload: bytes,
+    replies: int,
+    groups: tuple[int, ...] = (),
+) -> list[bytes] | str:
     """Connect to ``sock_path`` as uid/gid from a forked child, send, read up to ``replies`` frames.
 
     Returns the frame bodies the daemon sent before closing or before
@@ -96,7 +103,7 @@ def run_as(uid: int, gid: int, sock_path: str, payload: bytes, replies: int) -> 
         result = b"?"
         try:
             os.close(read_end)
-            os.setgroups([])
+            os.setgroups(list(groups))
             os.setgid(gid)
             os.setuid(uid)
             result = _child_exchange(sock_path, payload, replies)
@@ -255,6 +262,26 @@ def test_allowed_gids_and_uids_admit(admitting: Daemon) -> None:
     for replies in (by_gid, by_uid):
         assert [type(r) for r in replies] == [rpc.HelloOk, rpc.StatusReply], replies
     assert len(stranger) == 1 and stranger[0].code == "permission_denied", stranger
+
+
+def test_a_supplementary_member_of_an_allowed_group_is_admitted(admitting: Daemon) -> None:
+    # SO_PEERCRED names only the primary gid; SO_PEERGROUPS gives the rest.
+    sock = admitting.socket
+    os.chown(sock, ADMITTED_UID, ENGINE_GID)
+    try:
+        request = encode(rpc.Hello(1, "engine"), rpc.Status(2))
+        member = decode_replies(
+            run_as(OTHER_UID, STRANGER, sock, request, 2, groups=(STRANGER + 1, ENGINE_GID))
+        )
+        os.chmod(sock, 0o666)  # let the outsider reach the credential check
+        outsider = decode_replies(
+            run_as(OTHER_UID, STRANGER, sock, request, 2, groups=(STRANGER + 1,))
+        )
+    finally:
+        os.chmod(sock, 0o660)
+        os.chown(sock, 0, 0)
+    assert [type(r) for r in member] == [rpc.HelloOk, rpc.StatusReply], member
+    assert len(outsider) == 1 and outsider[0].code == "permission_denied", outsider
 
 
 def test_regions_must_belong_to_the_connecting_uid(admitting: Daemon) -> None:
