@@ -18,6 +18,7 @@ receiver. Message flow for one request R:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import time
@@ -144,6 +145,11 @@ class Node:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._chains: dict[tuple[str, Any], asyncio.Task[Any]] = {}
         self._window_locks: dict[str, asyncio.Lock] = {}
+        # Releases no engine heard of yet, oldest dropped first (bounded like
+        # the tombstones that would refuse a late call about them anyway).
+        self._unannounced: collections.deque[tuple[str, rpc.Released]] = collections.deque(
+            maxlen=config.limits.tombstones
+        )
         self.counters: dict[str, int] = {
             "writes_started": 0,
             "writes_done": 0,
@@ -347,6 +353,10 @@ class Node:
         engine = self.engines.get(engine_id)
         if engine is not None and engine.session is not None:
             engine.session.send_event(event)
+        elif isinstance(event, rpc.Released):
+            # Released without the engine (a deadline) while it was away: the
+            # request is gone, so nothing else would tell it when it is back.
+            self._unannounced.append((engine_id, event))
 
     def tell_peer(self, node: str, message: Any) -> bool:
         if self.peers is None:
@@ -355,6 +365,16 @@ class Node:
 
     def _resend_outcomes(self, engine_id: str) -> None:
         """Tell a (re)registered engine what it may have missed while away."""
+        if any(owner == engine_id for owner, _ in self._unannounced):
+            kept: collections.deque[tuple[str, rpc.Released]] = collections.deque(
+                maxlen=self._unannounced.maxlen
+            )
+            for owner, event in self._unannounced:
+                if owner == engine_id:
+                    self.tell_engine(engine_id, event)
+                else:
+                    kept.append((owner, event))
+            self._unannounced = kept
         for record in list(self.registry.live.values()):
             if record.engine_id != engine_id:
                 continue

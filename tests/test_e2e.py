@@ -442,3 +442,39 @@ async def test_kill_9_prefill_mid_flight_then_restart(tmp_path):
     assert any(isinstance(e, Failed) and e.reason == "daemon_restart" for e in events)
     result = replay(prefill.journal)
     assert not result.registry.live and not result.registry.owned_blocks()
+
+
+async def test_a_release_made_while_the_engine_was_away_is_told_when_it_is_back(tmp_path):
+    # The prefill engine registers a request the decode side never matches,
+    # then loses its connection. The request's deadlines fail and release it
+    # meanwhile; nothing about it is live any more, so only a remembered
+    # announcement can tell the engine, when it registers again, that its
+    # blocks are free.
+    from tests.test_crash import CrashEngine
+
+    fast = "deadlines = { registered = 0.5, failed = 0.5 }"
+    prefill, decode = daemon_pair(tmp_path, extra=fast)
+    prefill.start()
+    decode.start()
+    engine = None
+    try:
+        prefill.wait_peer("decode")
+        engine = await CrashEngine.launch(f"p-{_uid()}", Role.PUSHER, prefill.socket)
+        await engine.prefill("away", [[1, 2], [1, 2]], peer="decode", kv_ready=False)
+        assert engine._client is not None
+        await engine._client.close()
+        deadline = time.monotonic() + 20
+        while prefill.status()["live"] or prefill.status()["engines"]:
+            assert time.monotonic() < deadline, prefill.status()
+            await asyncio.sleep(0.05)
+        names = [type(e).__name__ for e in _events(prefill, "away")]
+        assert names[-2:] == ["Failed", "Released"], names
+
+        await engine.reconnect(prefill.socket)
+        told = await engine.outcome("away", (rpc.Released,), 10.0)
+        assert told == rpc.Released("away", 1), told
+    finally:
+        if engine is not None:
+            await engine.close()
+        prefill.stop()
+        decode.stop()
