@@ -135,7 +135,7 @@ GUARDS: Final[Mapping[type, Callable[[RequestRecord], str | None]]] = MappingPro
 # makes the whole new record in one ``replace`` call, with the state, the time
 # it was entered and its deadline passed in (unchanged ones when the event
 # keeps the state): replay runs one per journaled event, and building a dict
-# of changes to unpack into ``replace`` cost about a third of the fold.
+# of changes to unpack into ``replace`` cost more than the ``replace`` itself.
 _replace = msgspec.structs.replace
 
 
