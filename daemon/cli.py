@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Final
 
 import msgspec
 
@@ -376,8 +377,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Options whose values may start with "-" (a time relative to the journals'
+# end: --since -15m), which argparse would otherwise take for an option.
+_DASH_VALUED: Final = ("--since", "--until")
+
+
+def _attach_dash_values(argv: Sequence[str]) -> list[str]:
+    """``--since -15m`` -> ``--since=-15m``, so argparse reads it as a value."""
+    out: list[str] = []
+    items = iter(argv)
+    for arg in items:
+        if arg in _DASH_VALUED:
+            value = next(items, None)
+            if value is not None and value.startswith("-"):
+                out.append(f"{arg}={value}")
+                continue
+            out.append(arg)
+            if value is not None:
+                out.append(value)
+            continue
+        out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(_attach_dash_values(argv))
     return args.func(args)
 
 

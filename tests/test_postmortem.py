@@ -416,7 +416,12 @@ def test_parse_time_forms():
         pm.parse_time("yesterday", start, end)
 
 
-def test_cli_filters_and_errors(demo):
+def test_cli_filters_and_errors(demo, clean):
+    # A relative time written as the help shows it: a value starting with "-",
+    # which argparse alone would take for an option.
+    recent = _replay_json(demo["prefill"], demo["decode"], "--since", "-200ms", "--limit", "0")
+    expected = _selected(clean, since="-200ms")
+    assert expected and {r["request_id"] for r in recent["requests"]} == expected
     data = _replay_json(demo["prefill"], demo["decode"], "--state", "failed")
     assert [r["request_id"] for r in data["requests"]] == ["r0001"]
     assert data["requests_selected"] == 1 and data["requests_total"] == REQUESTS - 1
