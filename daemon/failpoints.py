@@ -214,7 +214,11 @@ def _fire(point: Failpoint) -> None:
         time.sleep(60)  # SIGKILL is asynchronous for other threads; never run on
     elif point.action == "stop":
         _say(point, n)
-        os.kill(os.getpid(), signal.SIGSTOP)
+        # Aimed at this thread, so this thread is the one that takes the stop
+        # on its way out of the call: sent to the process, another thread may
+        # take it while this one runs on past the failpoint for a while (seen:
+        # a WRITE posted after "stop" fired, 1 run in ~20 on a loaded box).
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
     elif point.action == "sleep":
         time.sleep(point.seconds)
     elif point.action == "error":
