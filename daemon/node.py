@@ -993,7 +993,7 @@ class Node:
         windows (a write it posts from now on faults instead of landing,
         whatever state it is in: frozen, partitioned, or thawing with an old
         descriptor list). Only after this may the blocks it could write be
-        handed back. It then gets fresh windows for its next link.
+        handed back; :meth:`rewindow` then gives it fresh windows.
         """
         if self.fatal is not None or self.stopping:
             # The data plane is closed or closing; its close unmapped every window.
@@ -1004,16 +1004,24 @@ class Node:
                 await self.dataplane.remove_remote_agent(state.agent_name)
             state.agent_name = ""
         async with self._windows_lock(node):
+            for engine in self.engines.values():
+                engine.windows.pop(node, None)  # no Hello may name them any more
             try:
                 revoked = await self.dataplane.revoke_windows(node)
             except DataPlaneError:
                 if self.fatal is not None or self.stopping:
                     return  # closed under us: the close unmapped every window
                 raise
+        self.log.info("peer fenced", peer=node, windows_revoked=revoked)
+
+    async def rewindow(self, node: str) -> None:
+        """Fresh windows for a fenced peer's next link (after its requests were failed)."""
+        if self.fatal is not None or self.stopping:
+            return
+        async with self._windows_lock(node):
             for engine in list(self.engines.values()):
-                engine.windows.pop(node, None)
-                if self.engines.get(engine.spec.engine_id) is not engine:
-                    continue  # detached meanwhile
+                if node in engine.windows or self.engines.get(engine.spec.engine_id) is not engine:
+                    continue  # opened meanwhile by its registration, or detached
                 try:
                     engine.windows[node] = await self.dataplane.open_windows(
                         node, engine.spec, engine.regions
@@ -1024,10 +1032,14 @@ class Node:
                     self.log.warning(
                         "no new window", peer=node, engine=engine.spec.engine_id, error=str(exc)
                     )
-            self._metadata = await self.dataplane.metadata()
-        self.log.info("peer fenced", peer=node, windows_revoked=revoked)
-        # If it is already back on a new link, that link's Hello may have
-        # named the windows just revoked: tell it the new ones.
+            try:
+                self._metadata = await self.dataplane.metadata()
+            except DataPlaneError:
+                if self.fatal is not None or self.stopping:
+                    return
+                raise
+        # If it is already back on a new link, that link's Hello named no
+        # windows (or ones opened since): tell it the current ones.
         self.tell_peer(node, self._engines_for(node))
 
     def _windows_lock(self, peer: str) -> asyncio.Lock:
@@ -1136,6 +1148,7 @@ class Node:
                 await self.record_durably(
                     Failed(reg.request_id, reg.incarnation, Reason.PEER_DEAD, message, settled=True)
                 )
+        await self.rewindow(node)
 
     # The peer manager calls back synchronously and in arrival order. Handlers
     # wait on the journal, so each runs as a task; tasks are chained per
@@ -1364,6 +1377,7 @@ class Node:
             await self.fence(current.peer)
             await self.record_durably(event)
             await self.follow_up(current.request_id)
+            await self.rewindow(current.peer)
         else:
             await self.record_durably(event)
             self._on_released(current)
