@@ -387,16 +387,10 @@ def _attach_dash_values(argv: Sequence[str]) -> list[str]:
     out: list[str] = []
     items = iter(argv)
     for arg in items:
-        if arg in _DASH_VALUED:
-            value = next(items, None)
-            if value is not None and value.startswith("-"):
-                out.append(f"{arg}={value}")
-                continue
+        if arg in _DASH_VALUED and (value := next(items, None)) is not None:
+            out.append(f"{arg}={value}")
+        else:
             out.append(arg)
-            if value is not None:
-                out.append(value)
-            continue
-        out.append(arg)
     return out
 
 

@@ -718,11 +718,7 @@ class _Worker:
             for window in entry.windows:
                 window.revoke()
             st.revoked.setdefault(peer, []).extend(entry.windows)
-            for reg in entry.reg_dlists:
-                try:
-                    st.agent.deregister_memory(reg)
-                except Exception as exc:
-                    log.warning("deregistering a revoked window failed: %s", exc)
+            self._deregister_windows(entry)
             n += len(entry.windows)
         return n
 
@@ -733,12 +729,15 @@ class _Worker:
             window.close()
         return len(windows)
 
-    def _close_windows(self, entry: _PeerWindows) -> None:
+    def _deregister_windows(self, entry: _PeerWindows) -> None:
         for reg in entry.reg_dlists:
             try:
                 self.st.agent.deregister_memory(reg)
             except Exception as exc:
                 log.warning("deregistering a window failed: %s", exc)
+
+    def _close_windows(self, entry: _PeerWindows) -> None:
+        self._deregister_windows(entry)
         for window in entry.windows:
             window.close()
 
@@ -1038,10 +1037,9 @@ class DataPlane:
         worker = self._live_worker()
         if spec.engine_id not in self._local:
             raise DataPlaneError(f"unknown local engine {spec.engine_id!r}", code="unknown_engine")
-        mapped = [regions[r.name] for r in spec.regions]
-        if not all(isinstance(m, MappedRegion) for m in mapped):
+        dram = [m for r in spec.regions if isinstance(m := regions[r.name], MappedRegion)]
+        if len(dram) != len(spec.regions):
             return _local_remote_engine(spec, regions)
-        dram = [m for m in mapped if isinstance(m, MappedRegion)]
         windows = await self._call(lambda: worker.open_windows(peer, spec.engine_id, dram))
         return _local_remote_engine(spec, {w.name: w for w in windows})
 

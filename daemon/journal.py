@@ -135,6 +135,7 @@ __all__ = [
     "JournalLocked",
     "Records",
     "Snapshot",
+    "check_payload",
     "read_journal",
     "segment_name",
     "snapshot_name",
@@ -323,7 +324,8 @@ def _bad_size(length: int) -> ValueError:
     return ValueError(f"payload must be 1..{MAX_RECORD_BYTES} bytes, got {length}")
 
 
-def _check_payload(payload: _Bytes) -> int:
+def check_payload(payload: _Bytes) -> int:
+    """The payload's length, or ValueError if no journal would take it."""
     length = len(payload)
     if not 0 < length <= MAX_RECORD_BYTES:
         raise _bad_size(length)
@@ -331,7 +333,7 @@ def _check_payload(payload: _Bytes) -> int:
 
 
 def _frame_header(payload: _Bytes) -> bytes:
-    length = _check_payload(payload)
+    length = check_payload(payload)
     return _FRAME.pack(length, crc32c(payload, _length_seed(length)))
 
 
@@ -924,13 +926,7 @@ class Journal:
         """
         self._check_usable()
         if self._buf:
-            buf, self._buf = self._buf, bytearray()
-            self._pending_since = None
-            with self._fatal_on_oserror(f"writing {self._segment_path}"):
-                failpoints.hit("journal.write")
-                _write_all(self._sys.write, self._active_fd(), buf)
-            self._segment_size += len(buf)
-            self._unsynced = True
+            self._write_out()
         written = self._next_seq - 1
         if self._segment_size >= self._segment_bytes:
             self._rotate()  # seals (and syncs) the segment holding what was written
@@ -962,7 +958,8 @@ class Journal:
         if seq > self._durable_seq:
             self._durable_seq = seq
 
-    def _write_buffer(self) -> None:
+    def _write_out(self) -> None:
+        """write(2) the buffered records to the active segment, unsynced."""
         # Swapped out, never resized in place: a failed write may leave views of
         # it alive (in the traceback), and a bytearray with views cannot shrink.
         buf, self._buf = self._buf, bytearray()
@@ -972,6 +969,9 @@ class Journal:
             _write_all(self._sys.write, self._active_fd(), buf)
         self._segment_size += len(buf)
         self._unsynced = True
+
+    def _write_buffer(self) -> None:
+        self._write_out()
         if self._policy is not FsyncPolicy.NEVER:
             self._sync_segment()
         self._durable_seq = self._next_seq - 1

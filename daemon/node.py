@@ -475,11 +475,7 @@ class Node:
         self.engines[req.engine_id] = engine
         await self.record_durably(attach)
         self._resend_outcomes(req.engine_id)
-        if self.peers is not None:
-            self._metadata = await self.dataplane.metadata()
-            for info in self.peers.links:
-                if info.up:
-                    self.peers.send(info.node, self._engines_for(info.node))
+        await self._announce_engines()
         self.log.info("engine registered", engine=req.engine_id, groups=len(req.groups))
         return rpc.Ok(req.id)
 
@@ -543,12 +539,9 @@ class Node:
 
     async def _unmap_detached(self, engine: EngineState, seq: int) -> None:
         await self._close_engine_memory(engine)
-        if self.peers is not None and not (self.stopping or self.fatal):
+        if not self._closing:
             # Peers forget it too (their prepared lists of it would only grow).
-            self._metadata = await self.dataplane.metadata()
-            for info in self.peers.links:
-                if info.up:
-                    self.peers.send(info.node, self._engines_for(info.node))
+            await self._announce_engines()
         # Nobody waits on the detach, so nothing else would commit it soon.
         await self.durable(seq)
 
@@ -977,6 +970,20 @@ class Node:
     def _engines_for(self, peer: str) -> pm.Engines:
         return pm.Engines(self._peer_view(peer), self._metadata)
 
+    async def _announce_engines(self) -> None:
+        """Fresh metadata (it carries the registrations), then each connected peer its view."""
+        if self.peers is None:
+            return
+        self._metadata = await self.dataplane.metadata()
+        for info in self.peers.links:
+            if info.up:
+                self.peers.send(info.node, self._engines_for(info.node))
+
+    @property
+    def _closing(self) -> bool:
+        # The data plane is closed or closing; its close unmapped every window.
+        return self.fatal is not None or self.stopping
+
     def hello(self, peer: str) -> pm.Hello:
         return pm.Hello(
             node=self.config.node,
@@ -995,8 +1002,7 @@ class Node:
         descriptor list). Only after this may the blocks it could write be
         handed back; :meth:`rewindow` then gives it fresh windows.
         """
-        if self.fatal is not None or self.stopping:
-            # The data plane is closed or closing; its close unmapped every window.
+        if self._closing:
             return
         state = self.peer_state.get(node)
         if state is not None and state.agent_name:
@@ -1009,14 +1015,14 @@ class Node:
             try:
                 revoked = await self.dataplane.revoke_windows(node)
             except DataPlaneError:
-                if self.fatal is not None or self.stopping:
-                    return  # closed under us: the close unmapped every window
+                if self._closing:
+                    return  # closed under us
                 raise
         self.log.info("peer fenced", peer=node, windows_revoked=revoked)
 
     async def rewindow(self, node: str) -> None:
         """Fresh windows for a fenced peer's next link (after its requests were failed)."""
-        if self.fatal is not None or self.stopping:
+        if self._closing:
             return
         async with self._windows_lock(node):
             for engine in list(self.engines.values()):
@@ -1035,7 +1041,7 @@ class Node:
             try:
                 self._metadata = await self.dataplane.metadata()
             except DataPlaneError:
-                if self.fatal is not None or self.stopping:
+                if self._closing:
                     return
                 raise
         # If it is already back on a new link, that link's Hello named no

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from daemon.journal import MAX_RECORD_BYTES, Journal
+from daemon.journal import Journal, check_payload
 from daemon.replay import encode_snapshot
 from schemas.events import FORMAT_VERSION, Event, Record, encode_record
 from statemachine import Registry
@@ -45,8 +45,7 @@ class Recorder:
         # change in memory without its record would be lost on replay. (An
         # append that then fails on I/O is fatal: the daemon stops and
         # replays.)
-        if len(payload) > MAX_RECORD_BYTES:
-            raise ValueError(f"payload must be 1..{MAX_RECORD_BYTES} bytes, got {len(payload)}")
+        check_payload(payload)
         touched = self.registry.apply(event, record.ts)
         seq = self.journal.append(payload)
         if seq != record.seq:

@@ -1353,27 +1353,23 @@ def test_block_list_that_cannot_fit_is_refused_before_expansion(target: FuzzTarg
     wait_settled(target, lambda: "after the ratio engine left")
 
 
-def test_peer_random_bytes(target: FuzzTarget) -> None:
+def _fuzz_both_listeners(target: FuzzTarget, cases: Any, case: Callable[..., None]) -> None:
+    """Cases against the prefill daemon's listener, a few against the decode one's."""
     identity = target.link_identity()
-    ran = run_cases(peer_streams, lambda c: peer_stream_case(target, c), scaled(200))
+    ran = run_cases(cases, lambda c: case(target, c), scaled(200))
     # The decode daemon listens too (and dials): it turns every dialer away.
-    ran += run_cases(
-        peer_streams, lambda c: peer_stream_case(target, c, port=target.decode.port), scaled(30)
-    )
+    ran += run_cases(cases, lambda c: case(target, c, port=target.decode.port), scaled(30))
     assert ran >= scaled(200)
     assert target.link_identity() == identity, "the real link was replaced"
     _unchanged(target)
+
+
+def test_peer_random_bytes(target: FuzzTarget) -> None:
+    _fuzz_both_listeners(target, peer_streams, peer_stream_case)
 
 
 def test_peer_messages_before_auth(target: FuzzTarget) -> None:
-    identity = target.link_identity()
-    ran = run_cases(peer_batches, lambda c: peer_frames_case(target, c), scaled(200))
-    ran += run_cases(
-        peer_batches, lambda c: peer_frames_case(target, c, port=target.decode.port), scaled(30)
-    )
-    assert ran >= scaled(200)
-    assert target.link_identity() == identity, "the real link was replaced"
-    _unchanged(target)
+    _fuzz_both_listeners(target, peer_batches, peer_frames_case)
 
 
 def test_peer_bad_mac_and_unauthenticated_forward(target: FuzzTarget) -> None:
