@@ -1204,7 +1204,14 @@ class DataPlane:
         self._handler = callback
 
     def expect_notifications(self, flag: bool) -> None:
-        """While True, the worker polls for notifications (and thus progresses) continuously."""
+        """While True, the worker polls for notifications (and thus progresses) continuously.
+
+        A hint about polling: on a data plane that is closed (a fatal journal
+        error closes it while peer messages are still being handled) there is
+        nothing to poll, and nothing to refuse.
+        """
+        if self._closed:
+            return
         self._live_worker().submit(_Expect(bool(flag)))
 
     def _deliver_notifs(self, notifs: dict[str, list[bytes]]) -> None:

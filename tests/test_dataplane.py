@@ -610,6 +610,18 @@ async def test_close_is_idempotent_and_refuses_later_calls(engines: Callable[...
     assert info.value.code == "state"
 
 
+async def test_expecting_notifications_on_a_closed_data_plane_is_a_no_op() -> None:
+    # A fatal journal error closes the data plane while peer messages are
+    # still handled; their "stop polling" hint must not raise there.
+    dp = DataPlane(_unique("n"))
+    await dp.start()
+    dp.expect_notifications(True)
+    await dp.close()
+    dp.expect_notifications(False)
+    with pytest.raises(DataPlaneError):
+        await dp.metadata()  # the real calls are still refused
+
+
 async def test_unmapping_a_still_registered_region_does_not_crash(
     engines: Callable[..., Engine],
 ) -> None:
