@@ -260,6 +260,8 @@ class Node:
         exc = task.exception()
         if isinstance(exc, JournalFatal):
             return  # already handled by _journal_failed
+        if self.fatal is not None and isinstance(exc, DataPlaneError) and exc.code == "state":
+            return  # the journal failure closed the data plane under it; reported once
         if exc is not None:
             self.log.error("task failed", error=repr(exc), exc_info=exc)
 
