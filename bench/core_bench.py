@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 from bench.results import write_section
-from daemon.journal import FsyncPolicy, Journal
-from daemon.recorder import Recorder
-from daemon.replay import replay
+from daemon.journal.replay import replay
+from daemon.journal.store import FsyncPolicy, Journal
+from daemon.node.recorder import Recorder
 from schemas.events import (
     FORMAT_VERSION,
     KvReady,

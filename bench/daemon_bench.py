@@ -27,8 +27,8 @@ import numpy as np
 from bench.nixl_bare import MIB, run_bare
 from bench.results import write_section
 from daemon.client import EngineClient
-from daemon.journal_stats import percentile
-from daemon.memory import create_shm_file
+from daemon.dataplane.memory import create_shm_file
+from daemon.journal.stats import percentile
 from schemas import rpc
 from schemas.kvlayout import GroupSpec, LayerSpec
 from schemas.layout import GroupKind, Role

@@ -4,7 +4,7 @@ Needs one CUDA GPU; run it through ``bench/gpu_check.sh`` on the device machine.
 
 1. Starts a prefill and a decode daemon (real processes, real NIXL over UCX)
    and two engine processes whose KV caches are CUDA tensors, shared with
-   their daemons through CUDA IPC (:mod:`daemon.vram`).
+   their daemons through CUDA IPC (:mod:`daemon.dataplane.vram`).
 2. Pushes requests covering no hit, partial hit, full hit and a batch of
    concurrent ones. After each, the decode engine compares its whole cache ON
    THE GPU with the expected tensors (every destination block byte for byte,
@@ -84,7 +84,7 @@ CHECK_LAYOUT = (
 
 def sim_layout(layout: Sequence[Group]) -> Any:
     """The same layout as sim_engine sees it (its expand/tail_pairs are the oracle)."""
-    from daemon.sim_engine import SimGroup
+    from daemon.sim.engine import SimGroup
 
     return tuple(
         SimGroup(g.num_blocks, g.block_bytes, layers=g.layers, per_logical=g.per_logical)
@@ -144,7 +144,7 @@ class GpuCache:
     def _empty(self, n: int) -> Any:
         if not self.dram:
             return self.torch.empty(n, dtype=self.torch.uint8, device=self.device)
-        from daemon.memory import SHM_ROOT, create_shm_file
+        from daemon.dataplane.memory import SHM_ROOT, create_shm_file
 
         path = os.path.join(SHM_ROOT, f"kvpushd-gpu-check-{os.getpid()}-{uuid.uuid4().hex[:12]}")
         self.shm_paths.append(create_shm_file(path, n).path)
@@ -225,7 +225,7 @@ class GpuCache:
 
     def share(self) -> tuple[Any, Any]:
         """GroupSpecs and VRAM RegionSpecs (CUDA IPC handles) for register_engine."""
-        from daemon.vram import share_cuda_tensor
+        from daemon.dataplane.vram import share_cuda_tensor
         from schemas.kvlayout import GroupSpec, LayerSpec, MemoryKind, RegionSpec
         from schemas.layout import GroupKind
 
@@ -377,7 +377,7 @@ class Engine:
     def cmd_prefill(
         self, engine_id: str, rid: str, blocks: list[list[int]], kv_ready: bool = True
     ) -> None:
-        from daemon.sim_engine import expand
+        from daemon.sim.engine import expand
         from schemas.layout import Role
 
         cache = self.caches[engine_id]
@@ -670,7 +670,7 @@ class Check:
         self, name: str, requests: list[tuple[str, list[list[int]], list[list[int]]]]
     ) -> None:
         """Push (rid, prefill blocks, decode blocks) requests concurrently; verify on the GPU."""
-        from daemon.sim_engine import tail_pairs
+        from daemon.sim.engine import tail_pairs
 
         pe, de = self.engines()
         layout = sim_layout(CHECK_LAYOUT)
@@ -868,7 +868,9 @@ class Check:
         for daemon in self.daemons:
             if self.args.logs:
                 with contextlib.suppress(OSError):
-                    shutil.copy(daemon.log_path, Path(self.args.logs) / f"{daemon.node}.log")
+                    shutil.copy(
+                        daemon.log_path, Path(self.args.logs) / f"{daemon.node}.log"
+                    )
             if failed:
                 tail = daemon.logs().splitlines()[-25:]
                 print(f"--- last lines of the {daemon.node} daemon's log", *tail, sep="\n")

@@ -14,8 +14,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from daemon.memory import RegionError
-from daemon.vram import decode_handle, open_vram_region, share_cuda_tensor
+from daemon.dataplane.memory import RegionError
+from daemon.dataplane.vram import decode_handle, open_vram_region, share_cuda_tensor
 from schemas.kvlayout import MemoryKind, RegionSpec
 from tests.test_vram import MIB, fake_spec
 

@@ -1,4 +1,4 @@
-"""Benchmark of the journal storage layer (daemon/journal.py).
+"""Benchmark of the journal storage layer (daemon/journal/store.py).
 
 Measures the append rate of ~100-byte payloads under each fsync policy and the
 raw replay (parse) rate, prints a table and writes it as the section
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from daemon.journal import FsyncPolicy, Journal, read_journal
+from daemon.journal.store import FsyncPolicy, Journal, read_journal
 
 PAYLOAD = os.urandom(100)
 SECTION_TITLE = "## Journal (storage layer)"

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from bench.results import write_section
-from daemon.memory import SHM_ROOT, MappedRegion, create_shm_file, map_dram_region
+from daemon.dataplane.memory import SHM_ROOT, MappedRegion, create_shm_file, map_dram_region
 
 KIB = 1 << 10
 MIB = 1 << 20

@@ -1,4 +1,4 @@
-"""Benchmark of the postmortem replay (daemon/postmortem.py).
+"""Benchmark of the postmortem replay (daemon/postmortem/analysis.py).
 
 Writes a prefill and a decode journal that together hold about a million
 events (``--events``), as two daemons would: every event goes through the
@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.results import write_section
-from daemon import postmortem
-from daemon.journal import FsyncPolicy, Journal
-from daemon.recorder import Recorder
-from daemon.replay import replay
+from daemon.journal.replay import replay
+from daemon.journal.store import FsyncPolicy, Journal
+from daemon.node.recorder import Recorder
+from daemon.postmortem import analysis as postmortem
 from schemas.events import Event, Failed, KvReady, Refused, Released, WriteDone, WriteStarted
 from schemas.layout import EngineLayout, GroupKind, GroupLayout, Role
 from schemas.reasons import Reason
@@ -263,13 +263,13 @@ def run(directory: Path, target_events: int, runs: int) -> tuple[list[Timing], s
             lambda: _postmortem([paths[PREFILL]], 1),
         ),
         _best(
-            "core fold alone (daemon.replay), prefill",
+            "core fold alone (daemon.journal.replay), prefill",
             counts[PREFILL],
             runs,
             lambda: replay(paths[PREFILL]),
         ),
         _best(
-            "core fold alone (daemon.replay), both in turn",
+            "core fold alone (daemon.journal.replay), both in turn",
             total,
             runs,
             lambda: [replay(p) for p in both],
@@ -300,12 +300,15 @@ def main() -> None:
             timings, notes = run(Path(tmp), args.events, args.runs)
     lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     lines += ["| " + " | ".join(t.cells()) + " |" for t in timings]
-    core = next(t for t in timings if t.case.startswith("core fold alone (daemon.replay), prefill"))
+    core = next(
+        t for t in timings if t.case.startswith("core fold alone (daemon.journal.replay), prefill")
+    )
     alone = next(t for t in timings if t.case == "postmortem, prefill alone")
     lines += [
         "",
         f"The postmortem of one journal costs {alone.cpu / core.cpu:.2f}x the CPU of the core "
-        f"fold of it (daemon.replay.replay, which it runs); nodes fold in parallel, so on an "
+        f"fold of it (daemon.journal.replay.replay, which it runs); nodes fold in parallel, so "
+        f"on an "
         f"idle machine with a CPU per node the wall time is about that of the largest journal.",
         "Target: >= 500 k events/s for the postmortem of a million events.",
     ]

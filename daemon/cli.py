@@ -10,10 +10,10 @@ from typing import Final
 
 import msgspec
 
-from daemon.journal import JournalCorrupt, JournalError
-from daemon.journal_stats import JournalStats
-from daemon.replay import ReplayError, iter_records, replay
-from daemon.texttable import table
+from daemon.journal.replay import ReplayError, iter_records, replay
+from daemon.journal.stats import JournalStats
+from daemon.journal.store import JournalCorrupt, JournalError
+from daemon.ops.texttable import table
 from schemas.events import Record
 
 # `journal verify` exit codes: scripts and operators branch on them.
@@ -136,24 +136,24 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return EXIT_CLEAN
 
 
-# --- `kvpushd journal replay|timeline|report` (daemon/postmortem.py) -------
+# --- `kvpushd journal replay|timeline|report` (daemon/postmortem/analysis.py) -------
 # Imported lazily: the postmortem loads numpy, which no other command needs.
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from daemon.postmortem import run_replay
+    from daemon.postmortem.analysis import run_replay
 
     return run_replay(args)
 
 
 def cmd_timeline(args: argparse.Namespace) -> int:
-    from daemon.postmortem import run_timeline
+    from daemon.postmortem.analysis import run_timeline
 
     return run_timeline(args)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from daemon.postmortem import run_report
+    from daemon.postmortem.analysis import run_report
 
     return run_report(args)
 
@@ -265,7 +265,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run(config)
 
 
-# --- `kvpushd status` (daemon/status_cli.py) --------------------------------
+# --- `kvpushd status` (daemon/ops/status.py) --------------------------------
 
 STATUS_EXIT_CODES = """\
 exit codes:
@@ -277,7 +277,7 @@ exit codes:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from daemon.status_cli import run as status_run  # keeps `kvpushd run` imports lean
+    from daemon.ops.status import run as status_run  # keeps `kvpushd run` imports lean
 
     return status_run(args)
 
@@ -303,7 +303,7 @@ def add_status_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     # Imported here so that other commands never load the simulated engine (numpy).
-    from daemon.demo import main as demo_main
+    from daemon.sim.demo import main as demo_main
 
     return demo_main(args)
 

@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from daemon.engine_server import EngineServer
-from daemon.node import Node
-from daemon.peerlink import PeerManager, load_secret
+from daemon.node.engine_server import EngineServer
+from daemon.node.peerlink import PeerManager, load_secret
+from daemon.node.runtime import Node
 from daemon.sdnotify import Notifier
 from schemas.config import Config
 
 if TYPE_CHECKING:
-    from daemon.metrics import NodeMetrics
+    from daemon.node.metrics import NodeMetrics
 
 log = structlog.get_logger("kvpushd")
 
@@ -48,14 +48,14 @@ async def _status_updates(notifier: Notifier, node: Node) -> None:
         notifier.status(_status_line(node))
 
 
-# --- metrics hook-up (daemon/metrics.py) ---------------------------------
+# --- metrics hook-up (daemon/node/metrics.py) ---------------------------------
 
 
 def _attach_metrics(config: Config, node: Node) -> NodeMetrics | None:
     """Observe the node from before start(), so replay-time events count too."""
     if not config.metrics_port:
         return None
-    from daemon.metrics import NodeMetrics  # only daemons with metrics need prometheus_client
+    from daemon.node.metrics import NodeMetrics  # only daemons with metrics need prometheus_client
 
     return NodeMetrics(node)
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import msgspec
 
-from daemon.demo import free_port
 from daemon.framing import PREFIX_BYTES, FrameEncoder
+from daemon.sim.demo import free_port
 from schemas import rpc
 
 REPO = Path(__file__).resolve().parents[1]

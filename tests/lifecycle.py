@@ -6,7 +6,7 @@ check/plan methods the daemon uses, then through a Recorder.
 
 from __future__ import annotations
 
-from daemon.recorder import Recorder
+from daemon.node.recorder import Recorder
 from schemas.events import (
     DaemonStarted,
     Failed,

@@ -42,7 +42,7 @@ from daemon.client import (
     RpcError,
 )
 from daemon.framing import FrameEncoder, frame_bytes, read_frame
-from daemon.sim_engine import (
+from daemon.sim.engine import (
     Expectation,
     KvCorruption,
     SimEngine,
@@ -700,7 +700,7 @@ async def test_sim_engine_refused_duplicate_keeps_the_original_with_loopback_fak
 
 
 class SimProcess:
-    """A ``python -m daemon.sim_engine`` child driven over JSON lines."""
+    """A ``python -m daemon.sim.engine`` child driven over JSON lines."""
 
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         """Wrap a started child (see :meth:`start`)."""
@@ -713,7 +713,7 @@ class SimProcess:
     ) -> SimProcess:
         layout = json.dumps([msgspec.to_builtins(g) for g in LAYOUT])
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "daemon.sim_engine",
+            sys.executable, "-m", "daemon.sim.engine",
             "--engine-id", engine_id, "--role", role, "--layout", layout,
             "--socket", socket, "--shm-prefix", prefix, *extra,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, cwd=ROOT,

@@ -47,10 +47,10 @@ import pytest
 
 from daemon import failpoints
 from daemon.client import ConnectionLost, EngineClient, RpcError
-from daemon.journal import JournalError, read_journal
-from daemon.kvpattern import Change, changed_blocks
-from daemon.replay import ReplayError, ReplayResult, replay
-from daemon.sim_engine import Expectation, SimEngine, SimGroup, tail_pairs
+from daemon.journal.replay import ReplayError, ReplayResult, replay
+from daemon.journal.store import JournalError, read_journal
+from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
+from daemon.sim.kvpattern import Change, changed_blocks
 from schemas import rpc
 from schemas.events import Failed, Record, Refused, Registered
 from schemas.layout import Role
@@ -697,9 +697,9 @@ def log_trouble(daemon: Daemon, offset: int) -> tuple[list[str], int]:
     """Error lines a daemon logged since ``offset`` (an unhandled exception is a bug)."""
     data = daemon.log_path.read_bytes() if daemon.log_path.exists() else b""
     lines = data[offset:].decode(errors="replace").splitlines()
-    return [f"{daemon.node} logged: {line[:300]}" for line in lines if _TROUBLE.search(line)], len(
-        data
-    )
+    return [
+        f"{daemon.node} logged: {line[:300]}" for line in lines if _TROUBLE.search(line)
+    ], len(data)
 
 
 # ------------------------------------------------------------ the rounds
@@ -1032,12 +1032,12 @@ def _kill_label(result: RoundResult) -> str:
 
 HIT_LINE = re.compile(r'failpoints\.hit\("([a-z_.]+)"\)')
 FAILPOINT_FILES: Final = (
-    "daemon/journal.py",
-    "daemon/groupcommit.py",
-    "daemon/node.py",
-    "daemon/dataplane.py",
-    "daemon/peerlink.py",
-    "daemon/engine_server.py",
+    "daemon/journal/store.py",
+    "daemon/journal/groupcommit.py",
+    "daemon/node/runtime.py",
+    "daemon/dataplane/plane.py",
+    "daemon/node/peerlink.py",
+    "daemon/node/engine_server.py",
 )
 
 
@@ -1151,8 +1151,8 @@ async def _journal_writer(directory: str, batches: int) -> None:
     Tiny segments and a snapshot every few batches, so a crash can land in a
     rotation or a snapshot as easily as in a plain append or sync.
     """
-    from daemon.groupcommit import GroupCommit
-    from daemon.journal import Journal
+    from daemon.journal.groupcommit import GroupCommit
+    from daemon.journal.store import Journal
 
     journal = Journal.open(directory, segment_bytes=2048, commit_window_s=float("inf"))
     journal.take_recovered()

@@ -1,4 +1,4 @@
-"""Tests of the NIXL data plane (daemon/dataplane.py): real NIXL, real /dev/shm, no mocks."""
+"""Tests of the NIXL data plane (daemon/dataplane/plane.py): real NIXL, real /dev/shm, no mocks."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from daemon.dataplane import (
+from daemon.dataplane.memory import SHM_ROOT, MappedRegion, create_shm_file, map_dram_region
+from daemon.dataplane.plane import (
     DataPlane,
     DataPlaneError,
     EngineGeometry,
@@ -24,7 +25,6 @@ from daemon.dataplane import (
     WriteResult,
     build_indices,
 )
-from daemon.memory import SHM_ROOT, MappedRegion, create_shm_file, map_dram_region
 from schemas.events import Blocks
 from schemas.kvlayout import (
     EngineSpec,

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-import daemon.demo as demo
-from daemon.demo import (
+import daemon.sim.demo as demo
+from daemon.sim.demo import (
     DELIVERED_KINDS,
     PROBE_KINDS,
     REFUSED_KINDS,
@@ -33,7 +33,7 @@ from daemon.demo import (
     make_plan,
     refusals_per_kind,
 )
-from daemon.sim_engine import SimLayout
+from daemon.sim.engine import SimLayout
 
 Blocks = Sequence[int]
 

@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 
 from daemon.client import EngineClient, RpcError
+from daemon.dataplane.memory import create_shm_file
 from daemon.framing import FrameEncoder, frame_bytes
-from daemon.kvpattern import changed_blocks, snapshot
-from daemon.memory import create_shm_file
-from daemon.replay import replay
-from daemon.sim_engine import Expectation, SimEngine, SimGroup, tail_pairs
+from daemon.journal.replay import replay
+from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
+from daemon.sim.kvpattern import changed_blocks, snapshot
 from schemas import rpc
 from schemas.events import Failed, Refused, WriteStarted
 from schemas.kvlayout import GroupSpec, LayerSpec

@@ -34,8 +34,8 @@ from typing import Any, Final
 import pytest
 
 from daemon.client import RpcError
-from daemon.replay import replay
-from daemon.sim_engine import Expectation, tail_pairs
+from daemon.journal.replay import replay
+from daemon.sim.engine import Expectation, tail_pairs
 from schemas import rpc
 from schemas.events import Record
 from schemas.reasons import Reason

@@ -59,13 +59,13 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from daemon import cli
+from daemon.dataplane.memory import create_shm_file
 from daemon.framing import FrameEncoder, frame_bytes
-from daemon.journal import FRAME_OVERHEAD, HEADER_SIZE, FsyncPolicy, Journal, JournalError
-from daemon.memory import create_shm_file
-from daemon.peerlink import NONCE_BYTES, PREAUTH_FRAME_BYTES, auth_mac
-from daemon.recorder import Recorder
-from daemon.replay import ReplayError, replay
-from daemon.sim_engine import Expectation, SimEngine, SimGroup, tail_pairs
+from daemon.journal.replay import ReplayError, replay
+from daemon.journal.store import FRAME_OVERHEAD, HEADER_SIZE, FsyncPolicy, Journal, JournalError
+from daemon.node.peerlink import NONCE_BYTES, PREAUTH_FRAME_BYTES, auth_mac
+from daemon.node.recorder import Recorder
+from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
 from schemas import peer as pm
 from schemas import rpc
 from schemas.events import FORMAT_VERSION, Event, Record, encode_record
@@ -318,7 +318,9 @@ def both_views(daemon: Daemon) -> RegistryView:
     live = status_view(daemon.status())
     replayed = journal_view(daemon)
     if live != replayed:
-        raise FuzzFailure(f"{daemon.node}: status {live} but the journal replays to {replayed}")
+        raise FuzzFailure(
+            f"{daemon.node}: status {live} but the journal replays to {replayed}"
+        )
     return live
 
 
@@ -1443,7 +1445,15 @@ async def test_daemons_still_push_after_fuzzing(target: FuzzTarget) -> None:
         assert not error_log_lines(daemon), "\n".join(error_log_lines(daemon)[:5])
         # The operator's view of the journal agrees with the daemon's.
         stats = subprocess.run(
-            [sys.executable, "-m", "daemon.cli", "journal", "stats", "--json", str(daemon.journal)],
+            [
+                sys.executable,
+                "-m",
+                "daemon.cli",
+                "journal",
+                "stats",
+                "--json",
+                str(daemon.journal),
+            ],
             capture_output=True,
             text=True,
             timeout=60,

@@ -1,4 +1,4 @@
-"""Tests of the journal storage layer (daemon/journal.py)."""
+"""Tests of the journal storage layer (daemon/journal/store.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daemon.groupcommit import GroupCommit
-from daemon.journal import (
+from daemon.journal.groupcommit import GroupCommit
+from daemon.journal.store import (
     FRAME_OVERHEAD,
     HEADER_SIZE,
     MAX_RECORD_BYTES,

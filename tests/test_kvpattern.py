@@ -1,4 +1,4 @@
-"""Tests of the KV block patterns and their checks (daemon/kvpattern.py).
+"""Tests of the KV block patterns and their checks (daemon/sim/kvpattern.py).
 
 The checks are the oracle of every end-to-end test: if they could miss a
 wrong block, a silent-corruption bug in the daemon would pass the suite.
@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from daemon.kvpattern import (
+from daemon.sim.kvpattern import (
     HEADER_BYTES,
     PERIOD,
     KvView,

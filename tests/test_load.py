@@ -31,7 +31,7 @@ from typing import Final
 
 import pytest
 
-from daemon.sim_engine import Expectation, SimEngine, SimGroup, tail_pairs
+from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
 from schemas import rpc
 from schemas.layout import Role
 from tests.daemons import Daemon
@@ -231,7 +231,7 @@ async def wait_unmapped(
 
 
 async def test_a_thousand_live_requests_held_then_completed(pair: tuple[Daemon, Daemon]) -> None:
-    from daemon.replay import replay
+    from daemon.journal.replay import replay
 
     prefill, decode = pair
     fleet = await Fleet.create(prefill, decode)

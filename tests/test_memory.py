@@ -1,4 +1,4 @@
-"""Tests of mapped engine regions and offload slots (daemon/memory.py), on real /dev/shm files."""
+"""Tests of mapped engine regions and offload slots (daemon/dataplane/memory.py), on /dev/shm."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from daemon.memory import (
+from daemon.dataplane.memory import (
     SHM_ROOT,
     MappedRegion,
     OffloadPool,

@@ -20,8 +20,8 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.metrics import NodeMetrics
-from daemon.sim_engine import Expectation, SimEngine, SimGroup, tail_pairs
+from daemon.node.metrics import NodeMetrics
+from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
 from schemas import rpc
 from schemas.events import DaemonStarted, Failed, Released
 from schemas.layout import Role

@@ -1,4 +1,4 @@
-"""Tests of the authenticated peer link (daemon/peerlink.py).
+"""Tests of the authenticated peer link (daemon/node/peerlink.py).
 
 Real TCP on 127.0.0.1 (port 0), real asyncio; raw sockets play attackers and
 broken peers; one test SIGSTOPs a peer running in a subprocess.
@@ -20,9 +20,9 @@ import msgspec
 import pytest
 import uvloop
 
-import daemon.peerlink
+import daemon.node.peerlink
 from daemon.framing import FrameEncoder, FrameTooLarge, frame_bytes, read_frame
-from daemon.peerlink import (
+from daemon.node.peerlink import (
     NONCE_BYTES,
     PREAUTH_FRAME_BYTES,
     LinkReason,
@@ -605,7 +605,7 @@ async def test_preauth_frames_are_small_but_hello_may_be_large(cluster: Cluster)
 async def test_too_many_pending_handshakes_turned_away(
     cluster: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(daemon.peerlink, "MAX_PENDING_HANDSHAKES", 2)
+    monkeypatch.setattr(daemon.node.peerlink, "MAX_PENDING_HANDSHAKES", 2)
     z, _ = await cluster.start("z", [PeerConfig("c", NOWHERE)])
     idle = [await Raw.connect(z.listen_port) for _ in range(2)]
     for raw in idle:
@@ -786,7 +786,7 @@ async def test_partition_ttl_then_reconnect_to_restarted_peer(cluster: Cluster) 
 
 CHILD = """
 import asyncio, os, sys
-from daemon.peerlink import PeerManager
+from daemon.node.peerlink import PeerManager
 from schemas.config import PeerConfig
 from schemas.peer import Hello
 

@@ -24,9 +24,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from daemon import postmortem as pm
-from daemon.journal import FRAME_OVERHEAD, HEADER_SIZE, FsyncPolicy, Journal
-from daemon.replay import iter_records
+from daemon.journal.replay import iter_records
+from daemon.journal.store import FRAME_OVERHEAD, HEADER_SIZE, FsyncPolicy, Journal
+from daemon.postmortem import analysis as pm
 from schemas.events import (
     FORMAT_VERSION,
     Failed,
@@ -552,7 +552,7 @@ def test_robust_midpoint_sets_aside_a_clock_step():
 
 def test_journal_with_a_snapshot(tmp_path):
     """Old segments pruned behind a snapshot: requests live at the snapshot carry on."""
-    from daemon.recorder import Recorder
+    from daemon.node.recorder import Recorder
     from schemas.events import KvReady, WriteDone, WriteStarted
     from schemas.layout import Role
     from statemachine import Registry

@@ -37,10 +37,10 @@ from pathlib import Path
 import pytest
 
 from daemon import failpoints
-from daemon import postmortem as pm
 from daemon.client import ClientError
-from daemon.replay import iter_records
-from daemon.sim_engine import SimEngine, SimGroup
+from daemon.journal.replay import iter_records
+from daemon.postmortem import analysis as pm
+from daemon.sim.engine import SimEngine, SimGroup
 from schemas import rpc
 from schemas.events import DaemonStarted, Failed
 from schemas.layout import Role

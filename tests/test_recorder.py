@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon.journal import MAX_RECORD_BYTES, Journal
-from daemon.recorder import Recorder
-from daemon.replay import replay
+from daemon.journal.replay import replay
+from daemon.journal.store import MAX_RECORD_BYTES, Journal
+from daemon.node.recorder import Recorder
 from schemas.events import DaemonStarted, Failed, KvReady
 from schemas.layout import Role
 from schemas.reasons import Reason

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon.journal import FsyncPolicy, Journal
-from daemon.recorder import Recorder
-from daemon.replay import ReplayError, replay
+from daemon.journal.replay import ReplayError, replay
+from daemon.journal.store import FsyncPolicy, Journal
+from daemon.node.recorder import Recorder
 from schemas.events import FORMAT_VERSION, Record, Released, encode_record
 from statemachine import Registry
 from tests.lifecycle import FakeClock, push_one, run_mix

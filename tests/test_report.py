@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon import postmortem as pm
-from daemon import report
-from daemon.replay import replay
+from daemon.journal.replay import replay
+from daemon.postmortem import analysis as pm
+from daemon.postmortem import html as report
 from schemas.events import FORMAT_VERSION, DaemonStarted, Failed, Record
 from schemas.reasons import Reason
 from tests.test_postmortem import _records, _write

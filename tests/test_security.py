@@ -37,10 +37,10 @@ from typing import Final
 import msgspec
 import pytest
 
+from daemon.dataplane.memory import create_shm_file
 from daemon.framing import FrameEncoder, frame_bytes
-from daemon.memory import create_shm_file
-from daemon.peerlink import MAX_PENDING_HANDSHAKES, NONCE_BYTES, auth_mac
-from daemon.replay import replay
+from daemon.journal.replay import replay
+from daemon.node.peerlink import MAX_PENDING_HANDSHAKES, NONCE_BYTES, auth_mac
 from schemas import peer as pm
 from schemas import rpc
 from schemas.events import Refused, Registered, WriteStarted

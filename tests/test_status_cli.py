@@ -12,8 +12,8 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from daemon.cli import main
-from daemon.sim_engine import SimEngine, SimGroup
-from daemon.status_cli import EXIT_NOT_RUNNING, EXIT_UNAVAILABLE, age
+from daemon.ops.status import EXIT_NOT_RUNNING, EXIT_UNAVAILABLE, age
+from daemon.sim.engine import SimEngine, SimGroup
 from schemas.layout import Role
 from tests.daemons import REPO, Daemon, free_port
 

@@ -1,4 +1,4 @@
-"""GPU KV caches (daemon/vram.py and the VRAM paths of the data plane and node).
+"""GPU KV caches (daemon/dataplane/vram.py and the VRAM paths of the data plane and node).
 
 Without a GPU (CI) everything up to the first CUDA call is tested for real:
 handle validation, the reference-counter file checks on real /dev/shm files,
@@ -28,9 +28,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from daemon import vram
 from daemon.client import BlockingEngineClient, RpcError
-from daemon.dataplane import (
+from daemon.dataplane import vram
+from daemon.dataplane.memory import (
+    SHM_ROOT,
+    MappedRegion,
+    RegionError,
+    create_shm_file,
+    map_dram_region,
+)
+from daemon.dataplane.plane import (
     NIXL_MEM,
     DataPlaneError,
     _check_remote_engine,
@@ -38,8 +45,7 @@ from daemon.dataplane import (
     _Worker,
     descriptor_rows,
 )
-from daemon.memory import SHM_ROOT, MappedRegion, RegionError, create_shm_file, map_dram_region
-from daemon.vram import (
+from daemon.dataplane.vram import (
     HANDLE_VERSION,
     NO_CUDA,
     REF_COUNTER_SLOTS,

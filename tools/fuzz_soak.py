@@ -158,9 +158,9 @@ def atheris_child(argv: list[str]) -> None:
     with atheris.instrument_imports(include=["daemon", "schemas", "statemachine"]):
         import msgspec
 
-        from daemon import engine_server
-        from daemon.journal import JournalError
-        from daemon.replay import ReplayError, replay
+        from daemon.journal.replay import ReplayError, replay
+        from daemon.journal.store import JournalError
+        from daemon.node import engine_server
         from schemas import rpc
         from statemachine import registry  # noqa: F401 - instrumented for coverage
 

@@ -2,7 +2,7 @@
 
 It stands in for vLLM/SGLang in tests and in ``kvpushd demo``. It allocates
 its KV cache as POSIX shared-memory files, registers them with its daemon
-through :mod:`daemon.client`, fills prefill blocks with :mod:`daemon.kvpattern`
+through :mod:`daemon.client`, fills prefill blocks with :mod:`daemon.sim.kvpattern`
 bytes before saying ``kv_ready``, and on the decode side checks, when
 ``KvArrived`` comes, that every destination block holds exactly the pattern of
 the prefill block it should and that no other byte of its cache changed. On
@@ -37,7 +37,7 @@ plain tail-trim case) and block expansion is reimplemented here, not imported
 from the core: this engine is an oracle for the daemon, so it must not share
 the daemon's logic.
 
-Process mode: ``python -m daemon.sim_engine --engine-id E --role receiver
+Process mode: ``python -m daemon.sim.engine --engine-id E --role receiver
 --layout LAYOUT --socket SOCK`` speaks JSON lines; see :func:`main`.
 """
 
@@ -62,9 +62,9 @@ from typing import Any, Final, TextIO
 import msgspec
 import numpy as np
 
-from daemon import kvpattern
 from daemon.client import ClientError, ConnectionLost, EngineClient, RpcError
-from daemon.kvpattern import Change, KvView, Mismatch, Pairs, Snapshot
+from daemon.sim import kvpattern
+from daemon.sim.kvpattern import Change, KvView, Mismatch, Pairs, Snapshot
 from schemas import rpc
 from schemas.kvlayout import GroupSpec, LayerSpec, MemoryKind, RegionSpec
 from schemas.layout import GroupKind, Role
@@ -965,7 +965,7 @@ def _read_arg(value: str) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m daemon.sim_engine",
+        prog="python -m daemon.sim.engine",
         description="Simulated inference engine for kvpushd (JSON-lines control on stdin/stdout).",
     )
     p.add_argument("--engine-id", required=True)

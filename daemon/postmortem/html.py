@@ -23,7 +23,7 @@ from typing import Any, Final
 import msgspec
 import numpy as np
 
-from daemon.postmortem import (
+from daemon.postmortem.analysis import (
     HIST_EDGES,
     K_REFUSED,
     S_FAILED,

@@ -22,9 +22,9 @@ import msgspec
 import structlog
 
 from daemon import failpoints
+from daemon.dataplane.memory import RegionError
 from daemon.framing import EmptyFrame, FrameEncoder, FrameTooLarge, read_frame
-from daemon.memory import RegionError
-from daemon.node import VERSION
+from daemon.node.runtime import VERSION
 from schemas import rpc
 from statemachine import Refusal
 

@@ -81,7 +81,7 @@ class MappedRegion:
         self._array: np.ndarray | None = np.frombuffer(mapping, dtype=np.uint8)
         self.base: int = int(self._array.ctypes.data)
         # Kept open so more mappings of the same pages can be made later
-        # (daemon/window.py: one per peer, re-made after a fence).
+        # (daemon/dataplane/window.py: one per peer, re-made after a fence).
         self._fd: int | None = fd
 
     @property

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import msgspec
 
-from daemon.journal import JournalContents, read_journal
+from daemon.journal.store import JournalContents, read_journal
 from schemas.events import FORMAT_VERSION, Record, decode_record, record_decoder
 from schemas.state import Deadlines, RegistrySnapshot
 from statemachine import Refusal, Registry

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from daemon import failpoints
-from daemon.journal import Journal, JournalFatal
+from daemon.journal.store import Journal, JournalFatal
 
 
 class GroupCommit:

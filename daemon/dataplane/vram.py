@@ -33,7 +33,7 @@ Lifetime. The engine must keep the tensor alive while the daemon may use it
 copies run on NIXL's own streams, which are not ordered after the engine's.
 :meth:`VramRegion.close` drops the rebuilt storage (torch closes the IPC
 mapping and releases the engine's reference) and runs ``torch.cuda.ipc_collect``.
-Offload pools stay in host memory (:mod:`daemon.memory`).
+Offload pools stay in host memory (:mod:`daemon.dataplane.memory`).
 
 Without CUDA (CI, machines without a GPU), torch is imported only once a
 message has passed its checks, and :func:`open_vram_region` refuses with
@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Annotated, Final
 
 import msgspec
 
-from daemon.memory import SHM_ROOT, RegionError
+from daemon.dataplane.memory import SHM_ROOT, RegionError
 from schemas.kvlayout import MemoryKind, RegionSpec
 
 if TYPE_CHECKING:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from daemon.journal import Journal, check_payload
-from daemon.replay import encode_snapshot
+from daemon.journal.replay import encode_snapshot
+from daemon.journal.store import Journal, check_payload
 from schemas.events import FORMAT_VERSION, Event, Record, encode_record
 from statemachine import Registry
 

@@ -37,7 +37,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from daemon.node import VERSION, Node
+from daemon.node.runtime import VERSION, Node
 from schemas.events import (
     DaemonStarted,
     Event,

@@ -5,7 +5,7 @@ four stages, each a plain function over plain data:
 
 1. **Read and fold** (:func:`load`): each node's journal (a directory, or
    copied segment files, grouped by the node named in their records) is read
-   with salvage and folded through the core by :func:`daemon.replay.fold_contents`,
+   with salvage and folded through the core by :func:`daemon.journal.replay.fold_contents`,
    exactly as the daemon does on start. What the core returns for every
    record is kept in compact columns (:class:`NodeFold`), not as objects:
    a million-event journal is a few arrays, cheap to hand back from a worker
@@ -20,7 +20,7 @@ four stages, each a plain function over plain data:
    released, sides that disagree, slow transitions, sequence gaps, torn tails,
    restarts, over the requests a :class:`Filters` selects.
 
-Rendering (text and JSON here, HTML in :mod:`daemon.report`) only reads the
+Rendering (text and JSON here, HTML in :mod:`daemon.postmortem.html`) only reads the
 :class:`Analysis`.
 """
 
@@ -52,15 +52,15 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from daemon import texttable
-from daemon.journal import (
+from daemon.journal.replay import ReplayError, decode_snapshot, fold_contents
+from daemon.journal.store import (
     FRAME_OVERHEAD,
     HEADER_SIZE,
     JournalContents,
     JournalError,
     read_journal,
 )
-from daemon.replay import ReplayError, decode_snapshot, fold_contents
+from daemon.ops import texttable
 from schemas.events import (
     DaemonStarted,
     Event,
@@ -515,7 +515,7 @@ def fold_node(
     if progress is not None:
         progress.set_total(len(contents.records))
         on_record = progress.wrap(on_record)
-    # As in daemon.replay.replay: the cyclic collector would rescan millions
+    # As in daemon.journal.replay.replay: the cyclic collector would rescan millions
     # of live, acyclic objects over and over for nothing.
     gc_was_enabled = gc.isenabled()
     gc.disable()
@@ -2452,7 +2452,7 @@ def run_timeline(args: Any, out: TextIO | None = None) -> int:
 
 
 def run_report(args: Any) -> int:
-    from daemon.report import write_report
+    from daemon.postmortem.html import write_report
 
     try:
         merged, filters = _prepare(args, None)

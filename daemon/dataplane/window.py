@@ -30,7 +30,7 @@ import mmap
 import os
 from typing import Final
 
-from daemon.memory import MappedRegion, RegionError
+from daemon.dataplane.memory import MappedRegion, RegionError
 from schemas.kvlayout import MemoryKind
 
 # Linux values (the same on x86_64 and aarch64); the mmap module does not

@@ -24,7 +24,7 @@ A request is then one ``make_prepped_xfer`` over two index arrays; runs of
 consecutive blocks in a layer merge into one descriptor inside NIXL.
 
 Windows. Peers never learn the addresses of a local engine's own mapping:
-each peer gets a window of its own onto the same pages (daemon/window.py),
+each peer gets a window of its own onto the same pages (daemon/dataplane/window.py),
 registered with the agent, so that fencing a peer can revoke exactly its
 access (``revoke_windows``) and nobody else's.
 """
@@ -46,9 +46,9 @@ from typing import Any, Final, TypeVar
 import numpy as np
 
 from daemon import failpoints
-from daemon.memory import MappedRegion
-from daemon.vram import VramRegion
-from daemon.window import Window
+from daemon.dataplane.memory import MappedRegion
+from daemon.dataplane.vram import VramRegion
+from daemon.dataplane.window import Window
 from schemas.events import Blocks
 from schemas.kvlayout import EngineSpec, GroupSpec, MemoryKind, RemoteEngine, RemoteGroup
 
@@ -66,8 +66,8 @@ _PR_SET_TIMERSLACK: Final = 29
 
 NotificationHandler = Callable[[str, bytes], None]
 
-# GPU KV caches: an engine's regions are DRAM (/dev/shm, daemon.memory) or VRAM
-# (CUDA IPC, daemon.vram); NIXL names the two like this. One kind per engine.
+# GPU KV caches: an engine's regions are DRAM (/dev/shm, daemon.dataplane.memory) or VRAM
+# (CUDA IPC, daemon.dataplane.vram); NIXL names the two like this. One kind per engine.
 Region = MappedRegion | VramRegion
 NIXL_MEM: Final[dict[MemoryKind, str]] = {MemoryKind.DRAM: "DRAM", MemoryKind.VRAM: "VRAM"}
 
@@ -233,7 +233,7 @@ def _local_remote_engine(spec: EngineSpec, regions: Mapping[str, Region | Window
         mapped = regions.get(r.name)
         if mapped is None or mapped.closed:
             raise DataPlaneError(f"region {r.name!r} is not mapped", code="bad_layout")
-        if mapped.memory is not r.memory:  # VRAM: opened by daemon.vram, not mapped
+        if mapped.memory is not r.memory:  # VRAM: opened by daemon.dataplane.vram, not mapped
             raise DataPlaneError(
                 f"region {r.name!r} is declared {r.memory.value}, opened as {mapped.memory.value}",
                 code="bad_layout",

@@ -18,7 +18,7 @@ import msgspec
 
 from daemon.config import ConfigError, load_config
 from daemon.framing import PREFIX_BYTES, FrameEncoder
-from daemon.texttable import table
+from daemon.ops.texttable import table
 from schemas import rpc
 
 # Scripts branch on these; `kvpushd status --help` documents them (daemon/cli.py).

@@ -31,13 +31,13 @@ import msgspec
 import structlog
 
 from daemon import failpoints
-from daemon.dataplane import DataPlane, DataPlaneError
-from daemon.groupcommit import GroupCommit
-from daemon.journal import MAX_RECORD_BYTES, Journal, JournalFatal
-from daemon.memory import MappedRegion, OffloadPool, RegionError, map_dram_region
-from daemon.recorder import Recorder
-from daemon.replay import fold_contents
-from daemon.vram import VramRegion, open_vram_region
+from daemon.dataplane.memory import MappedRegion, OffloadPool, RegionError, map_dram_region
+from daemon.dataplane.plane import DataPlane, DataPlaneError
+from daemon.dataplane.vram import VramRegion, open_vram_region
+from daemon.journal.groupcommit import GroupCommit
+from daemon.journal.replay import fold_contents
+from daemon.journal.store import MAX_RECORD_BYTES, Journal, JournalFatal
+from daemon.node.recorder import Recorder
 from schemas import peer as pm
 from schemas import rpc
 from schemas.config import Config
@@ -85,7 +85,7 @@ class EngineSession(Protocol):
 @dataclass
 class EngineState:
     spec: EngineSpec
-    regions: dict[str, MappedRegion | VramRegion]  # VRAM: GPU KV caches (daemon/vram.py)
+    regions: dict[str, MappedRegion | VramRegion]  # VRAM: GPU KV caches (daemon/dataplane/vram.py)
     remote: RemoteEngine
     session: EngineSession | None
     offload: OffloadPool | None = None
@@ -482,7 +482,7 @@ class Node:
         return rpc.Ok(req.id)
 
     def _map_one(self, region: Any, uid: int) -> MappedRegion | VramRegion:
-        # GPU KV caches come as CUDA IPC handles, opened on their GPU (daemon/vram.py).
+        # GPU KV caches come as CUDA IPC handles, opened on their GPU (daemon/dataplane/vram.py).
         if region.memory is MemoryKind.VRAM:
             return open_vram_region(region, owner_uid=uid)
         return map_dram_region(region, owner_uid=uid)
@@ -953,7 +953,7 @@ class Node:
 
     def check_peer_hello(self, node: str, hello: pm.Hello) -> None:
         """Refuse a peering whose engines cannot exchange KV with ours."""
-        from daemon.peerlink import PeerRejected
+        from daemon.node.peerlink import PeerRejected
 
         local = {model_signature(e.spec.groups) for e in self.engines.values()}
         for engine in hello.engines:

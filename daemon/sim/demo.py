@@ -6,7 +6,7 @@ behind (unless ``--keep``):
 1. Starts two real daemons (``python -m daemon.cli run``) on loopback, with
    free ports, a generated 0600 shared secret and journals in a work folder,
    and waits until both answer on their engine sockets and see each other.
-2. Attaches simulated engines (:class:`daemon.sim_engine.SimEngine`: real
+2. Attaches simulated engines (:class:`daemon.sim.engine.SimEngine`: real
    POSIX shared memory, every block filled with bytes that name it), two per
    side, with two KV-cache groups of 2 and 3 layers.
 3. Pushes a seeded stream of requests, 16 in flight: no prefix hit, partial
@@ -57,10 +57,11 @@ from pathlib import Path
 from typing import Final, TextIO, TypeVar
 
 from daemon.client import ClientError, EngineClient, RpcError
-from daemon.journal import JournalError
-from daemon.journal_stats import JournalStats, percentile
-from daemon.replay import ReplayError, replay
-from daemon.sim_engine import (
+from daemon.journal.replay import ReplayError, replay
+from daemon.journal.stats import JournalStats, percentile
+from daemon.journal.store import JournalError
+from daemon.ops.texttable import table
+from daemon.sim.engine import (
     SHM_DIR,
     Expectation,
     SimEngine,
@@ -69,7 +70,6 @@ from daemon.sim_engine import (
     SimLayout,
     tail_pairs,
 )
-from daemon.texttable import table
 from schemas import rpc
 from schemas.events import Record, Refused, WriteStarted
 from schemas.layout import Role
