@@ -37,15 +37,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import dataclasses
 import enum
 import os
 import random
-import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -70,6 +67,7 @@ from daemon.sim.engine import (
     SimLayout,
     tail_pairs,
 )
+from daemon.sim.launcher import Daemon, Timing, free_port, write_secret
 from schemas import rpc
 from schemas.events import Record, Refused, WriteStarted
 from schemas.layout import Role
@@ -78,7 +76,6 @@ from schemas.state import RequestRecord, State
 
 PREFILL: Final = "prefill"
 DECODE: Final = "decode"
-REPO: Final = Path(__file__).resolve().parents[1]
 SHM_PREFIX: Final = "kvpushd-demo-"  # then PID-ENGINE-gGROUP
 
 WINDOW: Final = 16  # requests in flight, one per slot
@@ -302,106 +299,27 @@ def shm_bytes(block_bytes: int) -> int:
 
 # ================================================================== daemons
 
-
-# Below the kernel's ephemeral range (32768-60999 here): a port the kernel
-# hands out with bind(0) can be taken again as the local port of any outgoing
-# connection before the daemon binds it; one chosen here cannot.
-_PORTS = range(20000, 32000)
+# Heartbeats every 0.5 s and a 5 s TTL: a busy 2-core machine must not
+# make a daemon declare its peer dead in the middle of the demo.
+DEMO_TIMING: Final = Timing(heartbeat_s=0.5, peer_ttl_s=5.0, drain_s=5.0)
 
 
-def free_port() -> int:
-    rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.choice(_PORTS)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below the ephemeral range")
+class DaemonProc(Daemon):
+    """A launcher daemon as the demo runs it, and how the demo reports its trouble.
 
-
-def write_secret(path: Path) -> None:
-    """A fresh random secret, created 0600 (never world-readable, not even briefly)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32) + "\n")
-
-
-@dataclass
-class DaemonProc:
-    """One daemon subprocess and the files it uses."""
-
-    node: str
-    port: int
-    peer: str
-    peer_port: int
-    workdir: Path
-    socket_dir: Path
-    proc: subprocess.Popen[bytes] | None = None
-    exit_code: int | None = None
+    Built ``detached`` (a session of its own, so that Ctrl-C reaches only the
+    demo, which lets the requests in flight finish and then stops the daemons
+    in order; the death signal covers a demo that is killed outright).
+    """
 
     @property
-    def socket(self) -> str:
-        return str(self.socket_dir / f"{self.node}.sock")
-
-    @property
-    def journal(self) -> Path:
-        return self.workdir / f"{self.node}-journal"
-
-    @property
-    def config_path(self) -> Path:
-        return self.workdir / f"{self.node}.toml"
-
-    @property
-    def log_path(self) -> Path:
-        return self.workdir / f"{self.node}.log"
-
-    def write_config(self, secret: Path) -> None:
-        # Heartbeats every 0.5 s and a 5 s TTL: a busy 2-core machine must not
-        # make a daemon declare its peer dead in the middle of the demo.
-        lines = [
-            f"node = {_toml(self.node)}",
-            f"socket = {_toml(self.socket)}",
-            f'listen = "127.0.0.1:{self.port}"',
-            f"secret_file = {_toml(str(secret))}",
-            "heartbeat_s = 0.5",
-            "peer_ttl_s = 5.0",
-            "drain_s = 5.0",
-            'log_level = "info"',
-            "[[peers]]",
-            f"node = {_toml(self.peer)}",
-            f'address = "127.0.0.1:{self.peer_port}"',
-            "[journal]",
-            f"dir = {_toml(str(self.journal))}",
-            'fsync = "batch"',
-        ]
-        self.config_path.write_text("\n".join(lines) + "\n")
-
-    def start(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        with open(self.log_path, "ab") as log:
-            # A session of its own, so that Ctrl-C reaches only the demo, which
-            # lets the requests in flight finish and then stops the daemons in
-            # order; the death signal covers a demo that is killed outright.
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "daemon.cli", "run", "--config", str(self.config_path)],
-                cwd=REPO,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-            )
+    def peer(self) -> str:
+        return self.peers[0][0]
 
     def check_alive(self) -> None:
-        if self.proc is not None and self.proc.poll() is not None:
-            raise DemoError(
-                f"the {self.node} daemon exited with status {self.proc.returncode}\n"
-                f"{self.log_tail()}"
-            )
+        code = self.exited()
+        if code is not None:
+            raise DemoError(f"the {self.node} daemon exited with status {code}\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -410,31 +328,12 @@ class DaemonProc:
             return f"(no log at {self.log_path})"
         return "\n".join(f"  {self.node}| {line}" for line in text)
 
-    def stop(self) -> int:
+    def stop_or_kill(self) -> int:
         """SIGTERM, wait for the drain; a daemon that hangs is killed and reported."""
-        if self.proc is None:
-            return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
         try:
-            self.exit_code = self.proc.wait(STOP_TIMEOUT_S)
+            return self.stop(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            self.exit_code = -signal.SIGKILL
-        return self.exit_code
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the demo dies (Linux prctl PR_SET_PDEATHSIG)."""
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-def _toml(text: str) -> str:
-    """A TOML basic string (paths may hold quotes or backslashes)."""
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            return -signal.SIGKILL
 
 
 async def wait_ready(daemon: DaemonProc, deadline: float, stop: asyncio.Event) -> None:
@@ -1187,7 +1086,7 @@ async def _live_phase(
     out.write(f"  starting daemons: {where}\n")
     out.flush()
     for d in daemons:
-        d.start()
+        d.start(wait=False)
     deadline = started + START_TIMEOUT_S
     await asyncio.gather(*(wait_ready(d, deadline, stop) for d in daemons))
     out.write(f"  daemons up and peered in {time.monotonic() - started:.1f} s\n")
@@ -1214,7 +1113,7 @@ def _run_loop(coro: Coroutine[object, object, _T]) -> _T:
 
 
 def _stop_daemons(daemons: Sequence[DaemonProc]) -> tuple[dict[str, int], list[str]]:
-    codes = {d.node: d.stop() for d in daemons}
+    codes = {d.node: d.stop_or_kill() for d in daemons}
     problems = [
         f"the {d.node} daemon exited {codes[d.node]} after SIGTERM, not 0\n{d.log_tail()}"
         for d in daemons
@@ -1239,12 +1138,13 @@ def run_demo(opts: Options, out: TextIO) -> int:
         out.write(f"  work folder {workdir} ({note})\n")
         out.flush()
         p_port, d_port = free_port(), free_port()
-        prefill = DaemonProc(PREFILL, p_port, DECODE, d_port, workdir, sockets)
-        decode = DaemonProc(DECODE, d_port, PREFILL, p_port, workdir, sockets)
+        where = {"timing": DEMO_TIMING, "socket_dir": sockets, "detached": True}
+        prefill = DaemonProc(PREFILL, workdir, p_port, [(DECODE, d_port)], **where)
+        decode = DaemonProc(DECODE, workdir, d_port, [(PREFILL, p_port)], **where)
         daemons = (prefill, decode)
         write_secret(workdir / "secret")
         for d in daemons:
-            d.write_config(workdir / "secret")
+            d.write_config()
         try:
             push = _run_loop(_live_phase(plan, daemons, opts, out))
         finally:

@@ -1,0 +1,333 @@
+"""Real ``kvpushd run`` processes on loopback: config, start, readiness, stop, kill.
+
+The one way tests, benches, tools and ``kvpushd demo`` run real daemons.
+A :class:`Daemon` writes its own config into a work folder (a node name, an
+engine socket, a loopback listen port, a shared secret, its peers and a
+journal folder), starts ``python -m daemon.cli run`` with its output in a
+log file there, and asks it for its status over the engine socket
+(:func:`daemon.ops.status.fetch_status`) until it answers.
+
+Files of a daemon named ``N`` in its work folder ``W``::
+
+    W/N.toml       the config it was started with
+    W/N.log        what it wrote to stdout and stderr
+    W/N-journal/   its journal
+    W/secret       the shared secret of every daemon in W (0600)
+    S/N.sock       its engine socket (S: ``socket_dir``, default W)
+
+The secret: a config names ``W/secret``; when that file does not exist yet,
+:meth:`Daemon.write_config` writes :data:`TEST_SECRET` there, a fixed
+secret tests can compute MACs with. The demo writes a random one first
+(:func:`write_secret`).
+
+Also here: the probes tests and tools read a daemon process with
+(CPU time, RSS, open descriptors, mapped files, all from ``/proc``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import random
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from daemon.ops.status import NotRunning, StatusUnavailable, fetch_status
+
+REPO: Final = Path(__file__).resolve().parents[2]
+TEST_SECRET: Final = b"test-secret-0123456789abcdef"
+# What a status poll raises while a daemon is not (or no longer) serving.
+STATUS_ERRORS: Final = (NotRunning, StatusUnavailable)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The liveness settings of a generated config."""
+
+    heartbeat_s: float
+    peer_ttl_s: float
+    drain_s: float
+
+
+# Generous: a loaded 2-core CI box must not declare a live peer dead.
+TEST_TIMING: Final = Timing(heartbeat_s=0.2, peer_ttl_s=3.0, drain_s=2.0)
+
+
+# ------------------------------------------------------------------ helpers
+
+# Below the kernel's ephemeral range (32768-60999 here): a port the kernel
+# hands out with bind(0) can be taken again as the local port of any outgoing
+# connection before the daemon binds it; one chosen here cannot.
+_PORTS = range(20000, 32000)
+
+
+def free_port() -> int:
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.choice(_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
+def write_secret(path: Path, secret: bytes | None = None) -> None:
+    """A secret file, created 0600 (never world-readable, not even briefly).
+
+    ``secret`` defaults to a fresh random one.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write((secret or secrets.token_hex(32).encode()) + b"\n")
+
+
+def toml_string(text: str) -> str:
+    """A TOML basic string (paths may hold quotes or backslashes)."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+# ------------------------------------------------------------------ daemons
+
+
+@dataclass
+class Daemon:
+    """One ``kvpushd run`` subprocess and the files it uses."""
+
+    node: str
+    workdir: Path
+    port: int
+    peers: list[tuple[str, int]] = field(default_factory=list)
+    # Config lines: top-level keys first, then tables (not [journal]: see journal_extra).
+    extra: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    # More keys for the [journal] table (a second [journal] in `extra` would be a TOML error).
+    journal_extra: str = ""
+    timing: Timing = TEST_TIMING
+    socket_dir: Path | None = None  # default: the work folder
+    # A session of its own (a Ctrl-C in the terminal does not reach it) and a
+    # SIGTERM when the process that started it dies. Only for a starter that
+    # starts daemons from its main thread: the kernel sends that SIGTERM when
+    # the starting *thread* ends.
+    detached: bool = False
+
+    @property
+    def socket(self) -> str:
+        return str((self.socket_dir or self.workdir) / f"{self.node}.sock")
+
+    @property
+    def journal(self) -> Path:
+        return self.workdir / f"{self.node}-journal"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"{self.node}.log"
+
+    @property
+    def config_path(self) -> Path:
+        return self.workdir / f"{self.node}.toml"
+
+    @property
+    def secret_path(self) -> Path:
+        return self.workdir / "secret"
+
+    def write_config(self) -> Path:
+        if not self.secret_path.exists():
+            write_secret(self.secret_path, TEST_SECRET)
+        lines = [
+            f"node = {toml_string(self.node)}",
+            f"socket = {toml_string(self.socket)}",
+            f'listen = "127.0.0.1:{self.port}"',
+            f"secret_file = {toml_string(str(self.secret_path))}",
+            f"heartbeat_s = {self.timing.heartbeat_s}",
+            f"peer_ttl_s = {self.timing.peer_ttl_s}",
+            f"drain_s = {self.timing.drain_s}",
+            'log_level = "info"',
+        ]
+        # Top-level keys from `extra` must come before the first table.
+        lines += [self.extra] if self.extra else []
+        for node, port in self.peers:
+            lines += ["[[peers]]", f"node = {toml_string(node)}", f'address = "127.0.0.1:{port}"']
+        lines += ["[journal]", f"dir = {toml_string(str(self.journal))}", 'fsync = "batch"']
+        lines += [self.journal_extra] if self.journal_extra else []
+        path = self.config_path
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    def start(self, *, wait: bool = True) -> Daemon:
+        """Write the config and start the process; with ``wait``, until it serves."""
+        config = self.write_config()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        detached: dict[str, Any] = {}
+        if self.detached:
+            detached = {
+                "start_new_session": True,
+                "preexec_fn": _die_with_parent if sys.platform.startswith("linux") else None,
+            }
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "daemon.cli", "run", "--config", str(config)],
+                cwd=REPO,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                **detached,
+            )
+        if wait:
+            self.wait_ready()
+        return self
+
+    def exited(self) -> int | None:
+        """The exit status once the process has ended; None while it runs (or never ran)."""
+        return None if self.proc is None else self.proc.poll()
+
+    def wait_ready(self, timeout: float = 30.0) -> dict:
+        """Poll status until the daemon answers; RuntimeError if it exits first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.node} exited {self.proc.returncode}:\n{self.logs()}")
+            try:
+                return self.status(timeout=2.0)
+            except STATUS_ERRORS:
+                time.sleep(0.05)
+        raise TimeoutError(f"{self.node} not ready:\n{self.logs()}")
+
+    def wait_peer(self, peer: str, timeout: float = 20.0) -> None:
+        """Until this daemon sees ``peer`` up."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(p["node"] == peer and p["up"] for p in self.status()["peers"]):
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.node} never saw {peer} up:\n{self.logs()}")
+
+    def status(self, timeout: float = 5.0) -> dict:
+        """One status round trip; raises one of :data:`STATUS_ERRORS` if none comes."""
+        return fetch_status(self.socket, timeout)
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM and wait for the exit status; a daemon that hangs is killed, then re-raised."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def daemon_pair(workdir: Path, *, extra: str = "") -> tuple[Daemon, Daemon]:
+    """A prefill and a decode daemon that peer with each other (not started)."""
+    p_port, d_port = free_port(), free_port()
+    prefill = Daemon("prefill", workdir, p_port, [("decode", d_port)], extra)
+    decode = Daemon("decode", workdir, d_port, [("prefill", p_port)], extra)
+    return prefill, decode
+
+
+def start_daemons(make: Callable[[], Sequence[Daemon]], tries: int = 4) -> list[Daemon]:
+    """Start daemons from ``make``; new ports and again if one lost its port to a race.
+
+    free_port() only finds a port that was free a moment ago: other tests on
+    the machine may take it before the daemon binds.
+    """
+    for attempt in range(tries):
+        daemons = list(make())
+        try:
+            for daemon in daemons:
+                daemon.start()
+            return daemons
+        except RuntimeError as exc:
+            for daemon in daemons:
+                daemon.kill()
+            if "address already in use" not in str(exc) or attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def start_pair(workdir: Path, *, extra: str = "") -> tuple[Daemon, Daemon]:
+    """A prefill and a decode daemon, started and peered."""
+    prefill, decode = start_daemons(lambda: daemon_pair(workdir, extra=extra))
+    try:
+        decode.wait_peer("prefill")
+        prefill.wait_peer("decode")
+    except BaseException:
+        prefill.kill()
+        decode.kill()
+        raise
+    return prefill, decode
+
+
+# ------------------------------------------------------------ process probes
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU a process has used so far, from /proc."""
+    # The state and counters follow the command name, which may hold spaces.
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def fd_count(pid: int, settle_s: float = 1.0) -> int:
+    """Open descriptors, once those of connections that just ended are closed too.
+
+    The daemon closes its end of a finished status connection a moment after
+    the client does; the lowest count over a short quiet spell excludes it.
+    """
+
+    def count() -> int:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+
+    counts = [count()]
+    deadline = time.monotonic() + settle_s
+    while time.monotonic() < deadline and (len(counts) < 3 or len(set(counts[-3:])) > 1):
+        time.sleep(0.05)
+        counts.append(count())
+    return min(counts)
+
+
+def mapped_files(pid: int) -> set[str]:
+    """Paths of every file mapped into the process (" (deleted)" stripped)."""
+    paths = set()
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6:
+            paths.add(parts[5].removesuffix(" (deleted)"))
+    return paths
