@@ -66,6 +66,7 @@ from daemon.journal.store import FRAME_OVERHEAD, HEADER_SIZE, FsyncPolicy, Journ
 from daemon.node.peerlink import NONCE_BYTES, PREAUTH_FRAME_BYTES, auth_mac
 from daemon.node.recorder import Recorder
 from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
+from daemon.sim.lifecycle import PREFILL, FakeClock, run_mix
 from schemas import peer as pm
 from schemas import rpc
 from schemas.events import FORMAT_VERSION, Event, Record, encode_record
@@ -74,7 +75,6 @@ from schemas.layout import GroupKind, Role
 from schemas.reasons import Reason
 from statemachine import Registry
 from tests.daemons import Daemon, daemon_pair
-from tests.lifecycle import PREFILL, FakeClock, run_mix
 
 SCALE: Final = float(os.environ.get("KVPUSHD_FUZZ_SCALE", "1"))
 RANDOM: Final = os.environ.get("KVPUSHD_FUZZ_RANDOM", "") not in ("", "0")

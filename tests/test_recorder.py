@@ -9,11 +9,11 @@ import pytest
 from daemon.journal.replay import replay
 from daemon.journal.store import MAX_RECORD_BYTES, Journal
 from daemon.node.recorder import Recorder
+from daemon.sim.lifecycle import PREFILL, FakeClock
 from schemas.events import DaemonStarted, Failed, KvReady
 from schemas.layout import Role
 from schemas.reasons import Reason
 from statemachine import Registry
-from tests.lifecycle import PREFILL, FakeClock
 
 
 def test_a_record_too_large_for_the_journal_changes_nothing(tmp_path: Path) -> None:

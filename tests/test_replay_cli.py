@@ -14,9 +14,9 @@ import pytest
 from daemon.journal.replay import ReplayError, replay
 from daemon.journal.store import FsyncPolicy, Journal
 from daemon.node.recorder import Recorder
+from daemon.sim.lifecycle import FakeClock, push_one, run_mix
 from schemas.events import FORMAT_VERSION, Record, Released, encode_record
 from statemachine import Registry
-from tests.lifecycle import FakeClock, push_one, run_mix
 
 N = 60
 

@@ -1,7 +1,8 @@
-"""Drives a pusher node's core through realistic request lifecycles.
+"""Drives a pusher node's core through realistic request lifecycles, without a daemon.
 
-Used by tests that need real journals: every event goes through the same
-check/plan methods the daemon uses, then through a Recorder.
+For tests and tools that need real journals (the fuzzers' base journal,
+postmortem and replay tests): every event goes through the same check/plan
+methods the daemon uses, then through a Recorder, under a fake clock.
 """
 
 from __future__ import annotations
