@@ -1,4 +1,4 @@
-"""Benchmark of the postmortem replay (daemon/postmortem/analysis.py).
+"""Benchmark of the postmortem replay (daemon/postmortem/: load, merge, analyse).
 
 Writes a prefill and a decode journal that together hold about a million
 events (``--events``), as two daemons would: every event goes through the
@@ -34,7 +34,10 @@ from bench.results import write_section
 from daemon.journal.replay import replay
 from daemon.journal.store import FsyncPolicy, Journal
 from daemon.node.recorder import Recorder
-from daemon.postmortem import analysis as postmortem
+from daemon.postmortem.analyse import Analysis, analyse
+from daemon.postmortem.fold import no_request
+from daemon.postmortem.load import load
+from daemon.postmortem.merge import merge
 from schemas.events import Event, Failed, KvReady, Refused, Released, WriteDone, WriteStarted
 from schemas.layout import EngineLayout, GroupKind, GroupLayout, Role
 from schemas.reasons import Reason
@@ -214,12 +217,12 @@ def _best(case: str, events: int, runs: int, fn: Callable[[], object]) -> Timing
     return Timing(case, events, *best)
 
 
-def _postmortem(paths: list[Path], jobs: int | None) -> postmortem.Analysis:
+def _postmortem(paths: list[Path], jobs: int | None) -> Analysis:
     """What `journal replay` does: gc off for the command, no record kept for timelines."""
     gc.disable()
     try:
-        folds = postmortem.load(paths, jobs=jobs, details=postmortem.no_request)
-        return postmortem.analyse(postmortem.merge(folds))
+        folds = load(paths, jobs=jobs, details=no_request)
+        return analyse(merge(folds))
     finally:
         gc.enable()
 

@@ -136,24 +136,24 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return EXIT_CLEAN
 
 
-# --- `kvpushd journal replay|timeline|report` (daemon/postmortem/analysis.py) -------
+# --- `kvpushd journal replay|timeline|report` (daemon/postmortem/commands.py) -------
 # Imported lazily: the postmortem loads numpy, which no other command needs.
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from daemon.postmortem.analysis import run_replay
+    from daemon.postmortem.commands import run_replay
 
     return run_replay(args)
 
 
 def cmd_timeline(args: argparse.Namespace) -> int:
-    from daemon.postmortem.analysis import run_timeline
+    from daemon.postmortem.commands import run_timeline
 
     return run_timeline(args)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from daemon.postmortem.analysis import run_report
+    from daemon.postmortem.commands import run_report
 
     return run_report(args)
 

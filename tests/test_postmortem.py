@@ -26,7 +26,16 @@ import pytest
 
 from daemon.journal.replay import iter_records
 from daemon.journal.store import FRAME_OVERHEAD, HEADER_SIZE, FsyncPolicy, Journal
-from daemon.postmortem import analysis as pm
+from daemon.postmortem import progress
+from daemon.postmortem.analyse import Analysis, RequestSummary, analyse, summarize
+from daemon.postmortem.clocks import robust_midpoint
+from daemon.postmortem.filters import FilterSpec, parse_time, resolve_filters, select
+from daemon.postmortem.formatting import format_time
+from daemon.postmortem.load import load
+from daemon.postmortem.merge import Merged, merge
+from daemon.postmortem.render_json import replay_json
+from daemon.postmortem.timeline import Step, timeline
+from daemon.postmortem.vocab import S_REGISTERED
 from schemas.events import (
     FORMAT_VERSION,
     Failed,
@@ -58,8 +67,8 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def clean(demo: dict[str, Path]) -> pm.Merged:
-    return pm.merge(pm.load([demo["prefill"], demo["decode"]]))
+def clean(demo: dict[str, Path]) -> Merged:
+    return merge(load([demo["prefill"], demo["decode"]]))
 
 
 def _kvpushd(*args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -102,13 +111,13 @@ def _delivered(records: list[Record]) -> list[str]:
     return [_rid(r) for r in records if isinstance(r.event, Released) and _rid(r) in written]
 
 
-def _analyse(*paths: Path, **filters: object) -> pm.Analysis:
-    merged = pm.merge(pm.load(list(paths)))
-    spec = pm.FilterSpec(**filters)  # type: ignore[arg-type]
-    return pm.analyse(merged, pm.resolve_filters(spec, merged))
+def _analyse(*paths: Path, **filters: object) -> Analysis:
+    merged = merge(load(list(paths)))
+    spec = FilterSpec(**filters)  # type: ignore[arg-type]
+    return analyse(merged, resolve_filters(spec, merged))
 
 
-def _kinds(analysis: pm.Analysis) -> dict[str, int]:
+def _kinds(analysis: Analysis) -> dict[str, int]:
     """How many anomalies of each kind an analysis found."""
     return {
         "torn": len(analysis.torn),
@@ -166,16 +175,16 @@ def test_clock_offset_is_estimated_and_said(demo, clean):
     assert f"{pair.upper_bounds} upper bounds" in said
 
 
-def _first_time(steps: list[pm.Step], node: str, event: str) -> float | None:
+def _first_time(steps: list[Step], node: str, event: str) -> float | None:
     times = [s.ts for s in steps if s.node == node and s.event == event]
     return times[0] if times else None
 
 
-def assert_causal(merged: pm.Merged) -> int:
+def assert_causal(merged: Merged) -> int:
     """Every request's merged timeline respects what the messages imply; returns pairs checked."""
     checked = 0
     for r in range(merged.requests):
-        steps = list(pm.timeline(merged, r).steps)
+        steps = list(timeline(merged, r).steps)
         assert [s.ts for s in steps] == sorted(s.ts for s in steps)
         for node in merged.names:  # each node's own order is kept
             seqs = [s.seq for s in steps if s.node == node]
@@ -203,7 +212,7 @@ def test_skewed_clock_is_corrected(demo, tmp_path):
     skew = 7.0
     records = [msgspec.structs.replace(r, ts=r.ts + skew) for r in _records(demo["decode"])]
     skewed = _write(tmp_path / "decode-skewed", records)
-    merged = pm.merge(pm.load([demo["prefill"], skewed]))
+    merged = merge(load([demo["prefill"], skewed]))
     (pair,) = merged.clocks.pairs
     assert pair.low <= skew <= pair.high
     assert abs(pair.offset - skew) <= (pair.high - pair.low) / 2 + 1e-9
@@ -320,7 +329,7 @@ def test_record_the_core_rejects(demo, tmp_path):
     (rejected,) = analysis.rejected
     assert (rejected.node, rejected.seq, rejected.key) == ("decode", again.seq, (victim, 1))
     assert "stale" in rejected.message or "released" in rejected.message
-    steps = pm.timeline(analysis.merged, analysis.merged.keys.index((victim, 1))).steps
+    steps = timeline(analysis.merged, analysis.merged.keys.index((victim, 1))).steps
     assert steps[-1].detail.startswith("REJECTED by the core on replay")
     assert _kinds(analysis) | {"rejected": 0} == dict.fromkeys(_kinds(analysis), 0)
 
@@ -328,15 +337,15 @@ def test_record_the_core_rejects(demo, tmp_path):
 # ---------------------------------------------------------------- filters
 
 
-def _selected(merged: pm.Merged, **filters: object) -> set[str]:
-    spec = pm.FilterSpec(**filters)  # type: ignore[arg-type]
-    mask = pm.select(merged, pm.resolve_filters(spec, merged))
+def _selected(merged: Merged, **filters: object) -> set[str]:
+    spec = FilterSpec(**filters)  # type: ignore[arg-type]
+    mask = select(merged, resolve_filters(spec, merged))
     return {merged.keys[r][0] for r in range(merged.requests) if mask[r]}
 
 
-def _ids(merged: pm.Merged, keep: Callable[[pm.RequestSummary], bool]) -> set[str]:
+def _ids(merged: Merged, keep: Callable[[RequestSummary], bool]) -> set[str]:
     """The expected answer, from each request's summary (not the filter code)."""
-    return {s.key[0] for s in (pm.summarize(merged, r) for r in range(merged.requests)) if keep(s)}
+    return {s.key[0] for s in (summarize(merged, r) for r in range(merged.requests)) if keep(s)}
 
 
 def test_filter_request(clean):
@@ -372,11 +381,11 @@ def test_filter_reason_and_node(clean):
                      reasons=("duplicate_request",)) == {"r0033"}  # fmt: skip
 
 
-def _lives(merged: pm.Merged) -> dict[str, tuple[float, float]]:
+def _lives(merged: Merged) -> dict[str, tuple[float, float]]:
     """Each request's first and last step, from its timeline."""
     spans = {}
     for r in range(merged.requests):
-        times = [s.ts for s in pm.timeline(merged, r).steps]
+        times = [s.ts for s in timeline(merged, r).steps]
         spans[merged.keys[r][0]] = (min(times), max(times))
     return spans
 
@@ -386,9 +395,9 @@ def test_filter_time_window(clean):
     middle = sorted(lives.values())[len(lives) // 2]
     # Relative times count from the journals' first and last record.
     start, end = float(clean.node_first.min()), float(clean.node_last.max())
-    as_iso = pm.format_time(middle[0], date=True).replace(" ", "T")  # local, no zone
-    of_day = pm.format_time(middle[0] + 0.05)
-    since, until = pm.parse_time(as_iso, start, end), pm.parse_time(of_day, start, end)
+    as_iso = format_time(middle[0], date=True).replace(" ", "T")  # local, no zone
+    of_day = format_time(middle[0] + 0.05)
+    since, until = parse_time(as_iso, start, end), parse_time(of_day, start, end)
     assert since == pytest.approx(middle[0], abs=1e-6)
     assert until == pytest.approx(middle[0] + 0.05, abs=1e-6)
     expected = {rid for rid, (a, b) in lives.items() if b >= since and a <= until}
@@ -406,14 +415,14 @@ def test_filter_time_window(clean):
 
 def test_parse_time_forms():
     start, end = 1_796_000_000.0, 1_796_000_000.0 + 3600
-    assert pm.parse_time("-15m", start, end) == end - 900
-    assert pm.parse_time("+90s", start, end) == start + 90
-    assert pm.parse_time("1796000123.5", start, end) == 1796000123.5
-    assert pm.parse_time("2026-11-29T02:10:00+00:00", start, end) == 1795918200.0
-    day_start = pm.parse_time(pm.format_time(start), start, end)
+    assert parse_time("-15m", start, end) == end - 900
+    assert parse_time("+90s", start, end) == start + 90
+    assert parse_time("1796000123.5", start, end) == 1796000123.5
+    assert parse_time("2026-11-29T02:10:00+00:00", start, end) == 1795918200.0
+    day_start = parse_time(format_time(start), start, end)
     assert day_start == pytest.approx(start, abs=1e-6)
     with pytest.raises(ValueError, match="not a time"):
-        pm.parse_time("yesterday", start, end)
+        parse_time("yesterday", start, end)
 
 
 def test_cli_filters_and_errors(demo, clean):
@@ -463,10 +472,10 @@ def test_timeline_command(demo):
 
 
 def test_timeline_of_refused_and_failed(clean):
-    refused = pm.timeline(clean, clean.keys.index(("r0013", 1)))
+    refused = timeline(clean, clean.keys.index(("r0013", 1)))
     assert [(s.node, s.event) for s in refused.steps] == [("decode", "refused")]
     assert "blocks_owned" in refused.steps[0].detail
-    failed = pm.timeline(clean, clean.keys.index(("r0001", 1)))
+    failed = timeline(clean, clean.keys.index(("r0001", 1)))
     assert failed.summary.label == "released after failed"
     assert any(
         "decode_longer_than_prefill" in s.detail for s in failed.steps if s.event == "failed"
@@ -495,8 +504,8 @@ def test_segment_files_of_one_node_fold_together(demo, tmp_path):
 
 def test_parallel_and_sequential_agree(demo):
     paths = [demo["prefill"], demo["decode"]]
-    one = pm.replay_json(pm.analyse(pm.merge(pm.load(paths, jobs=1))))
-    two = pm.replay_json(pm.analyse(pm.merge(pm.load(paths, jobs=2))))
+    one = replay_json(analyse(merge(load(paths, jobs=1))))
+    two = replay_json(analyse(merge(load(paths, jobs=2))))
     assert one == two
 
 
@@ -514,12 +523,12 @@ def test_progress_bar_only_on_a_terminal(tmp_path, monkeypatch):
     from bench.replay_bench import write_pair
 
     paths = write_pair(tmp_path, 60_000)
-    monkeypatch.setattr(pm, "PROGRESS_MIN_RECORDS", 1)
-    monkeypatch.setattr(pm, "PROGRESS_EVERY", 1024)
-    monkeypatch.setattr(pm._ProgressBar, "INTERVAL_S", 0.01)
+    monkeypatch.setattr(progress, "PROGRESS_MIN_RECORDS", 1)
+    monkeypatch.setattr(progress, "PROGRESS_EVERY", 1024)
+    monkeypatch.setattr(progress.ProgressBar, "INTERVAL_S", 0.01)
     terminal, pipe = _Terminal(), io.StringIO()
-    pm.load(list(paths.values()), progress=terminal, jobs=1)
-    pm.load(list(paths.values()), progress=pipe, jobs=1)
+    load(list(paths.values()), progress=terminal, jobs=1)
+    load(list(paths.values()), progress=pipe, jobs=1)
     assert "replaying [" in terminal.getvalue() and "records" in terminal.getvalue()
     assert terminal.getvalue().endswith("\r\x1b[2K")  # the bar is cleared at the end
     assert pipe.getvalue() == ""
@@ -535,7 +544,7 @@ def _iter_robust_cases() -> Iterator[tuple[list[float], list[float], float]]:
 def test_robust_midpoint(lower, upper, expected):
     import numpy as np
 
-    offset, *_, trimmed = pm.robust_midpoint(np.array(lower), np.array(upper))
+    offset, *_, trimmed = robust_midpoint(np.array(lower), np.array(upper))
     assert offset == pytest.approx(expected) and trimmed == 0
 
 
@@ -545,7 +554,7 @@ def test_robust_midpoint_sets_aside_a_clock_step():
     # 100 consistent pairs around +2 ms, and two bounds from after a 1 s step.
     lower = np.r_[np.linspace(0.0010, 0.0019, 100), [1.0]]
     upper = np.r_[np.linspace(0.0021, 0.0030, 100), [-0.9]]
-    offset, low, high, trimmed = pm.robust_midpoint(lower, upper)
+    offset, low, high, trimmed = robust_midpoint(lower, upper)
     assert 0 < trimmed <= 0.05 and low <= offset <= high
     assert offset == pytest.approx(0.002, abs=2e-4)
 
@@ -579,8 +588,8 @@ def test_journal_with_a_snapshot(tmp_path):
     node = analysis.merged.nodes[0]
     assert node.snapshot_seq == snapshot_seq and node.records == 4
     assert {k: v.state for k, v in node.at_snapshot.items()} == {
-        ("carried", 1): pm.S_REGISTERED,
-        ("stuck", 1): pm.S_REGISTERED,
+        ("carried", 1): S_REGISTERED,
+        ("stuck", 1): S_REGISTERED,
     }
     (stuck,) = analysis.never_released
     assert (stuck.key, stuck.state, stuck.last_event) == (
@@ -588,11 +597,11 @@ def test_journal_with_a_snapshot(tmp_path):
     )  # fmt: skip
     # It entered its state before the snapshot, which says when.
     assert stuck.since == node.at_snapshot[("stuck", 1)].entered and stuck.age > 0
-    assert pm.summarize(analysis.merged, analysis.merged.keys.index(("stuck", 1))).sides[
-        0
-    ].role == ("pusher")
+    assert summarize(analysis.merged, analysis.merged.keys.index(("stuck", 1))).sides[0].role == (
+        "pusher"
+    )
     merged = analysis.merged
-    carried = pm.timeline(merged, merged.keys.index(("carried", 1)))
+    carried = timeline(merged, merged.keys.index(("carried", 1)))
     assert carried.summary.label == "released after done"
     assert carried.steps[0].before == "registered" and carried.steps[0].after == "trimmed"
     assert analysis.gaps == [] and analysis.rejected == []

@@ -39,7 +39,11 @@ import pytest
 from daemon import failpoints
 from daemon.client import ClientError
 from daemon.journal.replay import iter_records
-from daemon.postmortem import analysis as pm
+from daemon.postmortem.analyse import analyse
+from daemon.postmortem.filters import FilterSpec, resolve_filters
+from daemon.postmortem.load import load
+from daemon.postmortem.merge import merge
+from daemon.postmortem.timeline import timeline
 from daemon.sim.engine import SimEngine, SimGroup
 from schemas import rpc
 from schemas.events import DaemonStarted, Failed
@@ -179,8 +183,8 @@ def test_restart_reports_what_it_failed(restarted):
     assert {r.event.request_id for r in after} == set(CAUGHT)
 
     # The analysis: one restart, with exactly those requests and their states.
-    merged = pm.merge(pm.load([restarted["prefill"], restarted["decode"]]))
-    analysis = pm.analyse(merged, pm.resolve_filters(pm.FilterSpec(), merged))
+    merged = merge(load([restarted["prefill"], restarted["decode"]]))
+    analysis = analyse(merged, resolve_filters(FilterSpec(), merged))
     firsts = [r for r in analysis.restarts if not r.restart]
     assert sorted(r.node for r in firsts) == ["decode", "prefill"]
     (restart,) = [r for r in analysis.restarts if r.restart]
@@ -192,7 +196,7 @@ def test_restart_reports_what_it_failed(restarted):
         (rid, 1): state for rid, state in CAUGHT.items()
     }
     for rid in CAUGHT:  # each failed request's timeline shows the restart, then the failure
-        steps = pm.timeline(merged, merged.keys.index((rid, 1))).steps
+        steps = timeline(merged, merged.keys.index((rid, 1))).steps
         events = [(s.node, s.event) for s in steps]
         at = events.index(("prefill", "daemon_started"))
         assert events[at + 1] == ("prefill", "failed")

@@ -28,8 +28,11 @@ from pathlib import Path
 import pytest
 
 from daemon.journal.replay import replay
-from daemon.postmortem import analysis as pm
 from daemon.postmortem import html as report
+from daemon.postmortem.analyse import analyse
+from daemon.postmortem.formatting import key_text
+from daemon.postmortem.load import load
+from daemon.postmortem.merge import merge
 from schemas.events import FORMAT_VERSION, DaemonStarted, Failed, Record
 from schemas.reasons import Reason
 from tests.test_postmortem import _records, _write
@@ -303,7 +306,7 @@ def test_script_failure_is_shown(chromium, page, tmp_path):
 
 
 def test_render_limits_and_escaping(journals):
-    analysis = pm.analyse(pm.merge(pm.load([journals["prefill"], journals["decode"]])))
+    analysis = analyse(merge(load([journals["prefill"], journals["decode"]])))
     small = report.render(analysis, max_timelines=3)
     assert small.count('<section class="timeline"') == 3
     assert f"3 of {len(analysis.selected)} requests written out" in small
@@ -317,10 +320,10 @@ def test_render_limits_and_escaping(journals):
 
 def test_chart_samples_many_requests_anomalies_first(journals, monkeypatch):
     monkeypatch.setattr(report, "MAX_BARS", 8)
-    analysis = pm.analyse(pm.merge(pm.load([journals["prefill"], journals["decode"]])))
+    analysis = analyse(merge(load([journals["prefill"], journals["decode"]])))
     anomalous = report.anomalous_requests(analysis)
     assert len(anomalous) >= 3
     data = report.chart_data(analysis, set(), anomalous[:3])
     drawn = {bar[4] for bar in data["bars"]}
     assert data["sampled"] and len(drawn) == 8
-    assert {pm.key_text(analysis.merged.keys[r]) for r in anomalous[:3]} <= drawn
+    assert {key_text(analysis.merged.keys[r]) for r in anomalous[:3]} <= drawn

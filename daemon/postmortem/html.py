@@ -23,21 +23,11 @@ from typing import Any, Final
 import msgspec
 import numpy as np
 
-from daemon.postmortem.analysis import (
-    HIST_EDGES,
-    K_REFUSED,
-    S_FAILED,
-    S_REFUSED,
-    S_RELEASED,
-    Analysis,
-    Merged,
-    RequestKey,
-    Timeline,
-    format_time,
-    key_text,
-    seconds,
-    timeline,
-)
+from daemon.postmortem.analyse import HIST_EDGES, Analysis
+from daemon.postmortem.formatting import format_time, key_text, ms, seconds
+from daemon.postmortem.merge import Merged
+from daemon.postmortem.timeline import Timeline, timeline
+from daemon.postmortem.vocab import K_REFUSED, S_FAILED, S_REFUSED, S_RELEASED, RequestKey
 
 MAX_BARS: Final = 4000  # request bars drawn in the timeline chart
 DEFAULT_TIMELINES: Final = 200
@@ -210,10 +200,6 @@ def _e(value: object) -> str:
     return html.escape(str(value), quote=True)
 
 
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None or not math.isfinite(seconds) else f"{seconds * 1e3:.3f}"
-
-
 def _table(
     header: Sequence[str], rows: Iterable[Sequence[str]], *, css: str = "", empty: str = "none"
 ) -> str:
@@ -305,7 +291,7 @@ def _chart_section() -> str:
 
 def _latency_section(analysis: Analysis) -> str:
     rows = [
-        (_e(row.node), _e(row.name), str(row.count), _ms(row.p50), _ms(row.p99), _ms(row.max))
+        (_e(row.node), _e(row.name), str(row.count), ms(row.p50), ms(row.p99), ms(row.max))
         for row in analysis.latency
     ]
     return (
@@ -366,7 +352,7 @@ def _anomaly_tables(analysis: Analysis, link: _Links) -> str:
             "Slowest transitions",
             ["ms", "node", "transition", "request", "at"],
             [
-                (_ms(x.seconds), _e(x.node), _e(x.name), link(x.key), _e(t(x.at)))
+                (ms(x.seconds), _e(x.node), _e(x.name), link(x.key), _e(t(x.at)))
                 for x in analysis.slowest
             ],
         ),
@@ -436,7 +422,7 @@ def _timeline_section(item: Timeline) -> str:
     rows = [
         (
             _e(format_time(s.ts)),
-            _ms(s.since_previous),
+            ms(s.since_previous),
             _e(s.node),
             _e(s.event),
             _e(f"{s.before} -> {s.after}".lstrip() if s.after else ""),

@@ -1,0 +1,88 @@
+"""The postmortem's inputs: journal directories and copied segment files, grouped by node."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from daemon.journal.store import FRAME_OVERHEAD, HEADER_SIZE
+from daemon.postmortem.vocab import PostmortemError
+from schemas.events import Record, decode_record
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSource:
+    """One node's journal: a directory, or its segment files in sequence order."""
+
+    node: str
+    paths: tuple[Path, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_journal_bytes(p) for p in self.paths)
+
+
+def _journal_bytes(path: Path) -> int:
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.glob("seg-*.kvj"))
+    return path.stat().st_size
+
+
+def _first_record(segment: Path) -> Record | None:
+    """The first record of a segment file, read without validating the rest.
+
+    Grouping inputs by node must not cost a full read: the full read (with
+    CRCs and salvage) happens once, in the fold. None if the first frame is
+    unreadable; the fold will say why.
+    """
+    try:
+        with segment.open("rb") as f:
+            head = f.read(HEADER_SIZE + FRAME_OVERHEAD)
+            if len(head) < HEADER_SIZE + FRAME_OVERHEAD:
+                return None
+            length = int.from_bytes(head[HEADER_SIZE : HEADER_SIZE + 4], "big")
+            return decode_record(f.read(length))
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def _peek(path: Path) -> tuple[str | None, int]:
+    """(node name, first seq) of a journal directory or segment file."""
+    if path.is_dir():
+        segments = sorted(path.glob("seg-*.kvj"))
+        if not segments:
+            raise PostmortemError(f"{path}: no journal segments (seg-*.kvj) here")
+        path = segments[0]
+    elif not path.exists():
+        raise PostmortemError(f"{path}: no such file or directory")
+    first = _first_record(path)
+    return (None, 0) if first is None else (first.node, first.seq)
+
+
+def group_sources(paths: Sequence[Path]) -> list[NodeSource]:
+    """Group inputs by the node their records name, in the order first given.
+
+    Segment files copied out of one node's directory are folded together, in
+    sequence order, through one registry: a later segment's records need the
+    state the earlier ones built.
+    """
+    groups: dict[str, list[tuple[int, Path]]] = {}
+    for path in paths:
+        node, first_seq = _peek(path)
+        name = node if node is not None else f"?{path}"
+        members = groups.setdefault(name, [])
+        if (path.is_dir() and members) or any(p.is_dir() for _, p in members):
+            raise PostmortemError(
+                f"{members[0][1]} and {path} both hold node {name}'s journal: give a node's "
+                f"directory alone, or only segment files copied out of it"
+            )
+        if any(p.resolve() == path.resolve() for _, p in members):
+            continue
+        members.append((first_seq, path))
+    return [
+        NodeSource(name, tuple(p for _, p in sorted(members, key=lambda m: m[0])))
+        for name, members in groups.items()
+    ]
