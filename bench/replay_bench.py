@@ -32,7 +32,7 @@ from pathlib import Path
 
 from bench.results import write_section
 from daemon.journal.replay import replay
-from daemon.journal.store import FsyncPolicy, Journal
+from daemon.journal.writer import FsyncPolicy, Journal
 from daemon.node.recorder import Recorder
 from daemon.postmortem.analyse import Analysis, analyse
 from daemon.postmortem.fold import no_request

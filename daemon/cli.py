@@ -10,9 +10,9 @@ from typing import Final
 
 import msgspec
 
+from daemon.journal.format import JournalCorrupt, JournalError
 from daemon.journal.replay import ReplayError, iter_records, replay
 from daemon.journal.stats import JournalStats
-from daemon.journal.store import JournalCorrupt, JournalError
 from daemon.ops.texttable import table
 from schemas.events import Record
 

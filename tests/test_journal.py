@@ -1,8 +1,9 @@
-"""Tests of the journal storage layer (daemon/journal/store.py)."""
+"""Tests of the journal storage layer (daemon/journal/: format, writer, recovery, reader)."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import errno
 import itertools
 import os
@@ -16,23 +17,21 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from daemon.journal.groupcommit import GroupCommit
-from daemon.journal.store import (
+from daemon.journal.format import (
     FRAME_OVERHEAD,
     HEADER_SIZE,
     MAX_RECORD_BYTES,
-    FsyncPolicy,
-    Journal,
     JournalClosed,
     JournalCorrupt,
     JournalError,
     JournalFatal,
     JournalLocked,
-    Snapshot,
-    read_journal,
     segment_name,
     snapshot_name,
 )
+from daemon.journal.groupcommit import GroupCommit
+from daemon.journal.reader import Snapshot, read_journal
+from daemon.journal.writer import FsyncPolicy, Journal
 
 # --------------------------------------------------------------------------
 # helpers
@@ -98,12 +97,31 @@ class SyncRecorder:
         os.fdatasync(fd)
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
+class CountingSync:
+    """An fdatasync that only counts its calls (what is synced does not matter here)."""
 
-    def __call__(self) -> float:
-        return self.now
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, fd: int) -> None:
+        self.calls += 1
+
+
+class InlineExecutor(concurrent.futures.Executor):
+    """Runs each job at once, on the calling thread.
+
+    Stands in for GroupCommit's fsync thread so that a sync completes a fixed
+    number of event-loop passes after its commit, never late because a loaded
+    machine did not schedule the thread.
+    """
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
 
 
 @pytest.fixture
@@ -173,7 +191,7 @@ def test_policy_always_syncs_every_append(journal_dir: Path) -> None:
 
 def test_policy_batch_syncs_once_per_commit(journal_dir: Path) -> None:
     sync = SyncRecorder()
-    with Journal.open(journal_dir, fdatasync=sync, commit_window_s=3600) as journal:
+    with Journal.open(journal_dir, fdatasync=sync) as journal:
         before = len(sync.synced)
         seqs = [journal.append(payload(i)) for i in range(50)]
         assert journal.durable_seq == 0
@@ -187,7 +205,7 @@ def test_policy_batch_syncs_once_per_commit(journal_dir: Path) -> None:
 
 def test_policy_never_writes_without_syncing(journal_dir: Path) -> None:
     sync = SyncRecorder()
-    with Journal.open(journal_dir, fsync="never", fdatasync=sync, commit_window_s=3600) as journal:
+    with Journal.open(journal_dir, fsync="never", fdatasync=sync) as journal:
         before = len(sync.synced)
         for i in range(20):
             journal.append(payload(i))
@@ -197,24 +215,21 @@ def test_policy_never_writes_without_syncing(journal_dir: Path) -> None:
         assert len(read_journal(journal_dir).records) == 20
 
 
-def test_commit_window_commits_from_append(journal_dir: Path) -> None:
-    clock = FakeClock()
-    with Journal.open(journal_dir, commit_window_s=0.001, clock=clock) as journal:
-        journal.append(b"a")
-        assert journal.commit_deadline == pytest.approx(100.001)
-        clock.now += 0.0005
-        journal.append(b"b")
-        assert journal.durable_seq == 0
-        clock.now += 0.0006
-        journal.append(b"c")  # the oldest buffered record has waited 1.1 ms
-        assert journal.durable_seq == 3
-        assert journal.commit_deadline is None
-
-
-def test_zero_commit_window_commits_every_append(journal_dir: Path) -> None:
-    with Journal.open(journal_dir, commit_window_s=0) as journal:
-        assert journal.append(b"x") == 1
-        assert journal.durable_seq == 1
+def test_append_commits_by_itself_only_when_the_segment_is_full(journal_dir: Path) -> None:
+    # The journal has no commit window: under BATCH a record waits in the
+    # buffer for its caller's commit (GroupCommit's, in the daemon), however
+    # long that takes, unless the segment fills up.
+    sync = CountingSync()
+    fill = -(-(256 - HEADER_SIZE) // (FRAME_OVERHEAD + 12))  # appends that fill a segment
+    with Journal.open(journal_dir, segment_bytes=256, fdatasync=sync) as journal:
+        before = sync.calls
+        for i in range(fill - 1):
+            assert journal.append(payload(i)) == i + 1
+        assert (journal.durable_seq, journal.pending, sync.calls) == (0, fill - 1, before)
+        journal.append(payload(fill))
+        assert (journal.durable_seq, journal.pending) == (fill, 0)
+        assert sync.calls > before
+    assert [p.name for p in segments(journal_dir)] == [segment_name(1), segment_name(fill + 1)]
 
 
 async def test_group_commit_syncs_what_was_appended_during_a_sync_unasked(
@@ -232,7 +247,7 @@ async def test_group_commit_syncs_what_was_appended_during_a_sync_unasked(
             gate.wait(10)
         os.fdatasync(fd)
 
-    with Journal.open(journal_dir, fdatasync=fdatasync, commit_window_s=3600) as journal:
+    with Journal.open(journal_dir, fdatasync=fdatasync) as journal:
         commit = GroupCommit(journal, on_fatal=lambda exc: None)
         try:
             hold = True
@@ -251,6 +266,40 @@ async def test_group_commit_syncs_what_was_appended_during_a_sync_unasked(
             assert journal.pending == 0
         finally:
             commit.close()
+
+
+async def appends_through_group_commit(
+    directory: Path, window_s: float, appends: int, monkeypatch: pytest.MonkeyPatch
+) -> int:
+    """Append one record about every millisecond through GroupCommit; return the fsyncs."""
+    sync = CountingSync()
+    with Journal.open(directory, fdatasync=sync) as journal:
+        commit = GroupCommit(journal, window_s=window_s, on_fatal=lambda exc: None)
+        monkeypatch.setattr(commit, "_executor", InlineExecutor())
+        before = sync.calls
+        try:
+            for i in range(appends):
+                journal.append(payload(i))
+                commit.request()  # what a handler's `await commit.durable(seq)` does
+                await asyncio.sleep(0.001)
+            await asyncio.wait_for(commit.durable(appends), 10)
+        finally:
+            commit.close()
+        assert (journal.durable_seq, journal.pending) == (appends, 0)
+        return sync.calls - before
+
+
+async def test_group_commit_window_puts_more_records_in_each_fsync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With a window of 0 each record gets a commit of its own (the next one
+    # arrives only after its sync is done). With 20 ms, a commit waits for
+    # the records of the next 20 ms: even on a machine so loaded that the
+    # loop stalls now and then, some of them share an fsync.
+    appends = 60
+    unwindowed = await appends_through_group_commit(tmp_path / "0", 0.0, appends, monkeypatch)
+    windowed = await appends_through_group_commit(tmp_path / "20", 0.02, appends, monkeypatch)
+    assert 0 < windowed < unwindowed <= appends
 
 
 def test_payload_size_limits(journal_dir: Path) -> None:
@@ -309,7 +358,7 @@ def test_round_trip_any_sizes_and_rotation(
 ) -> None:
     expected = [(i + 1, payload(i, size)) for i, size in enumerate(sizes)]
     with tempfile.TemporaryDirectory() as tmp:
-        with Journal.open(tmp, segment_bytes=segment_bytes, commit_window_s=3600) as journal:
+        with Journal.open(tmp, segment_bytes=segment_bytes) as journal:
             for index, (_, data) in enumerate(expected):
                 journal.append(data)
                 if index % commit_every == 0:
@@ -733,7 +782,7 @@ def test_snapshot_newer_than_the_surviving_tail(journal_dir: Path) -> None:
 
 
 def test_snapshot_seq_must_be_durable(journal_dir: Path) -> None:
-    with Journal.open(journal_dir, commit_window_s=3600) as journal:
+    with Journal.open(journal_dir) as journal:
         journal.append(b"a")
         with pytest.raises(ValueError):
             journal.write_snapshot(1, b"not yet durable")
@@ -768,7 +817,7 @@ def test_damaged_snapshot_is_corruption_and_salvage_falls_back(journal_dir: Path
 
 def test_fdatasync_failure_is_fatal_and_sticky(journal_dir: Path) -> None:
     sync = SyncRecorder()
-    journal = Journal.open(journal_dir, fdatasync=sync, commit_window_s=3600)
+    journal = Journal.open(journal_dir, fdatasync=sync)
     committed = [payload(i) for i in range(5)]
     for data in committed:
         journal.append(data)
@@ -812,7 +861,7 @@ class FailingWrite:
 
 def test_enospc_from_write_is_fatal(journal_dir: Path) -> None:
     write = FailingWrite()
-    journal = Journal.open(journal_dir, write=write, commit_window_s=3600)
+    journal = Journal.open(journal_dir, write=write)
     committed = [payload(i) for i in range(5)]
     for data in committed:
         journal.append(data)

@@ -24,8 +24,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from daemon.journal.format import FRAME_OVERHEAD, HEADER_SIZE
 from daemon.journal.replay import iter_records
-from daemon.journal.store import FRAME_OVERHEAD, HEADER_SIZE, FsyncPolicy, Journal
+from daemon.journal.writer import FsyncPolicy, Journal
 from daemon.postmortem import progress
 from daemon.postmortem.analyse import Analysis, RequestSummary, analyse, summarize
 from daemon.postmortem.clocks import robust_midpoint

@@ -1,11 +1,15 @@
 """Group commit: many appends, one fdatasync, and nobody told before it.
 
 Handlers append records and then ``await durable(seq)`` before replying to
-an engine or messaging a peer (DESIGN invariant 6). A commit writes the
-buffered records on the event loop (a page-cache copy) and runs the
-fdatasync in a dedicated thread, so the loop keeps serving, and appending,
-while the disk works; whatever was appended meanwhile rides the next sync.
-The slower the disk, the bigger the batches. One sync is in flight at a time.
+an engine or messaging a peer (ARCHITECTURE.md, Invariants: persist before
+telling). A commit writes the buffered records on the event loop (a
+page-cache copy) and runs the fdatasync in a dedicated thread, so the loop
+keeps serving, and appending, while the disk works; whatever was appended
+meanwhile rides the next sync. The slower the disk, the bigger the batches.
+One sync is in flight at a time.
+
+This is the daemon's one commit mechanism: the :class:`Journal` never
+commits by itself but under policy ``always`` or when a segment fills.
 """
 
 from __future__ import annotations
@@ -16,10 +20,18 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from daemon import failpoints
-from daemon.journal.store import Journal, JournalFatal
+from daemon.journal.format import JournalFatal
+from daemon.journal.writer import Journal
 
 
 class GroupCommit:
+    """Commits ``journal`` on the running event loop, at most one sync in flight.
+
+    ``window_s``: how long a commit waits after the first request that needs
+    it, so that records appended meanwhile share its fsync (fewer, larger
+    syncs for some latency); 0 commits at the next pass of the loop.
+    """
+
     def __init__(
         self,
         journal: Journal,
@@ -27,6 +39,8 @@ class GroupCommit:
         window_s: float = 0.0,
         on_fatal: Callable[[JournalFatal], None],
     ) -> None:
+        if window_s < 0:
+            raise ValueError("window_s must be >= 0")
         self._journal = journal
         self._window_s = window_s
         self._on_fatal = on_fatal
@@ -138,7 +152,7 @@ class GroupCommit:
             self.request()
 
     def _failed(self, exc: JournalFatal) -> None:
-        # DESIGN: a failed fsync is fatal; never retried.
+        # A failed fsync is fatal, never retried (ARCHITECTURE.md, Journal).
         self._fatal = exc
         for _, future in self._waiters:
             if not future.done():

@@ -1,9 +1,10 @@
 """Replay: fold a journal through the core, as the daemon does on start.
 
 The same ``Registry.apply`` that the live daemon uses rebuilds the state here
-(DESIGN invariant 8), so anything the live path would refuse is also refused
-on replay: an intact journal whose events break the lifecycle is damage, and
-is reported as such, never silently skipped.
+(ARCHITECTURE.md, Invariants: replay is the truth), so anything the live
+path would refuse is also refused on replay: an intact journal whose events
+break the lifecycle is damage, and is reported as such, never silently
+skipped.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import msgspec
 
-from daemon.journal.store import JournalContents, read_journal
+from daemon.journal.reader import JournalContents, read_journal
 from schemas.events import FORMAT_VERSION, Record, decode_record, record_decoder
 from schemas.state import Deadlines, RegistrySnapshot
 from statemachine import Refusal, Registry

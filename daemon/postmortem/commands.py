@@ -10,8 +10,8 @@ from typing import Any, Final, TextIO
 import msgspec
 import numpy as np
 
+from daemon.journal.format import JournalError
 from daemon.journal.replay import ReplayError
-from daemon.journal.store import JournalError
 from daemon.postmortem.analyse import analyse
 from daemon.postmortem.filters import Filters, FilterSpec, RequestMatcher, resolve_filters, select
 from daemon.postmortem.fold import KeepDetails, no_request

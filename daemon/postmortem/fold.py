@@ -19,8 +19,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from daemon.journal.reader import JournalContents, read_journal
 from daemon.journal.replay import decode_snapshot, fold_contents
-from daemon.journal.store import JournalContents, read_journal
 from daemon.postmortem.progress import ProgressSlot
 from daemon.postmortem.sources import NodeSource
 from daemon.postmortem.vocab import (

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import msgspec
 
-from daemon.journal.store import FRAME_OVERHEAD, HEADER_SIZE
+from daemon.journal.format import FRAME_OVERHEAD, HEADER_SIZE
 from daemon.postmortem.vocab import PostmortemError
 from schemas.events import Record, decode_record
 

@@ -1,0 +1,340 @@
+"""The journal's on-disk format: file names and headers, record framing, CRCs.
+
+The journal knows nothing about event schemas: a record is an opaque, non-empty
+``bytes`` payload (a msgspec-encoded event produced by the caller). The journal
+assigns sequence numbers, frames records so that a torn tail is told apart from
+corruption, rotates segments by size and keeps snapshots that let old segments
+be deleted. This module is the format: the specification below, the constants,
+the framing and its checks, shared by the writer (writer.py, recovery.py) and
+the reader (reader.py). The errors every journal module raises are here too.
+
+On-disk format (version 1; every integer is big-endian)
+-------------------------------------------------------
+
+A journal is a directory holding:
+
+``seg-{first_seq:020d}.kvj``
+    A segment. An 18-byte header, then record frames back to back::
+
+        magic     4 bytes   b"KVPJ"
+        version   u16       FORMAT_VERSION
+        first_seq u64       sequence number of the segment's first record
+        hcrc      u32       CRC32C of the 14 bytes above
+
+    Record ``i`` of a segment (counting from 0) has sequence number
+    ``first_seq + i``; sequence numbers are not stored per record. The header's
+    ``first_seq`` must equal the one in the file name.
+
+``snap-{seq:020d}.kvs``
+    A snapshot of the caller's state as of record ``seq``: the same 18-byte
+    header with magic ``b"KVPS"`` and ``seq`` in place of ``first_seq``, then
+    exactly one record frame holding the snapshot payload, then end of file.
+
+``journal.lock``
+    Held with ``flock`` by the one :class:`Journal` writing the directory.
+
+``*.tmp``
+    Files being created; ignored by readers and removed by :meth:`Journal.open`.
+
+A record frame is::
+
+    length    u32       payload length, 1 <= length <= MAX_RECORD_BYTES
+    crc       u32       CRC32C of the 4 length bytes followed by the payload
+    payload   length bytes
+
+A zero length is invalid. As ``crc32c(b"") == 0``, this guarantees that a run
+of zero bytes (what a filesystem may leave after a crash) never parses as a
+record. Sequence numbers start at 1 in a new journal.
+
+Reading and recovery rules
+--------------------------
+
+* A frame that fails to parse at offset ``o`` (zero or oversized length, frame
+  running past end of file, CRC mismatch) is a *torn tail* when it lies in the
+  last segment and no valid frame starts at any offset after ``o`` in that
+  segment; the bytes from ``o`` on are then ignored (``torn_bytes``).
+  Everything else is *corruption* and raises :class:`JournalCorrupt`: damage
+  followed by an intact frame, any damage in a segment that is not the last,
+  a bad segment header, a gap or an overlap in sequence numbers.
+* The last segment may be shorter than its header: that is a torn tail at
+  offset 0 (its file name then gives its first sequence number). Segments are
+  created with their header written and synced under a temporary name before
+  being renamed into place, so a header can only be short through a torn copy.
+* Only the newest snapshot counts; segments whose records it covers are not
+  read. Without a snapshot a journal directory must start at sequence 1; with
+  one, the first segment read must start at or before ``snapshot.seq + 1``.
+* The rule is strict by design and has one false alarm: a crash during an
+  unacknowledged commit on a filesystem that may persist the pages of one
+  write out of order (XFS exposing zeros before later data, say) can leave an
+  intact frame after a hole, which reads as corruption. Salvage recovers it.
+* Under policy ``never`` a crash may lose records that a snapshot already
+  covers; a writer then continues at ``snapshot.seq + 1`` and readers accept
+  that jump, as no record below the snapshot is needed.
+* ``salvage=True`` turns corruption into :class:`Damage` entries: reading
+  resumes at the next valid frame. Frames carry no sequence numbers, so records
+  that follow a damaged span in the same segment are numbered as if the span
+  held exactly one record (a lower bound, exact for a single damaged record);
+  ``seqs_exact`` is then False. The next segment's header restores exact
+  numbering.
+
+Writer rules
+------------
+
+* One writer per directory (``flock``), used from one thread. ``append``
+  buffers a frame and returns its seq; ``commit`` writes the buffer with one
+  ``write`` and, unless the policy is ``never``, one ``fdatasync`` (group
+  commit). A record may be acted upon once ``durable_seq >= seq``. The
+  journal commits by itself only under policy ``always`` (every append) and
+  when a segment is full; otherwise when to commit is the caller's choice
+  (the daemon's is :class:`GroupCommit`, groupcommit.py).
+* :meth:`Journal.open` never appends to a file written by an earlier process.
+  It syncs the last segment, cuts a torn tail off it (``ftruncate`` +
+  ``fdatasync``), removes it if it holds no intact record, and starts a new
+  segment at the next sequence number. Restarts therefore leave small
+  segments behind; :meth:`Journal.prune` removes them once a snapshot covers
+  them. What recovery read is handed over by :meth:`Journal.take_recovered`,
+  so the caller replays it without validating the journal a second time.
+* Rotation seals a segment with ``fdatasync`` whatever the fsync policy, so
+  only the last segment can ever have a torn tail.
+* Any ``OSError`` while writing, syncing, truncating, renaming or deleting is
+  fatal (:class:`JournalFatal`): after a failed ``fsync`` the kernel may have
+  dropped the dirty pages, so a retry could report success for lost data.
+  The journal refuses every later call; the owner exits and replays.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from pathlib import Path
+from typing import TypeAlias
+
+from crc32c import crc32c
+
+__all__ = [
+    "DEFAULT_SEGMENT_BYTES",
+    "FORMAT_VERSION",
+    "FRAME_OVERHEAD",
+    "HEADER_SIZE",
+    "MAX_RECORD_BYTES",
+    "JournalClosed",
+    "JournalCorrupt",
+    "JournalError",
+    "JournalFatal",
+    "JournalLocked",
+    "check_payload",
+    "segment_name",
+    "snapshot_name",
+]
+
+# The names below that are neither in __all__ nor private are shared with the
+# other journal modules (writer.py, recovery.py, reader.py) and nobody else.
+
+FORMAT_VERSION = 1
+MAX_RECORD_BYTES = 16 * 1024 * 1024
+DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
+
+SEGMENT_MAGIC = b"KVPJ"
+SNAPSHOT_MAGIC = b"KVPS"
+LOCK_NAME = "journal.lock"
+
+_HEADER = struct.Struct(">4sHQ")
+U32 = struct.Struct(">I")
+FRAME = struct.Struct(">II")
+HEADER_SIZE = _HEADER.size + U32.size
+FRAME_OVERHEAD = FRAME.size
+
+SEGMENT_RE = re.compile(r"seg-(\d{20})\.kvj")
+SNAPSHOT_RE = re.compile(r"snap-(\d{20})\.kvs")
+TMP_SUFFIX = ".tmp"
+FILE_MODE = 0o640
+
+# Resynchronisation after damage looks for offsets whose 4 length bytes could
+# hold a legal length (1 .. 0x01000000): a zero byte followed by a non-zero
+# byte within the next three, or exactly 01 00 00 00. Every alternative
+# consumes one byte so that overlapping candidates are all found.
+_CANDIDATE = re.compile(rb"\x00(?=[^\x00]|\x00[^\x00]|\x00\x00[^\x00])|\x01(?=\x00\x00\x00)")
+# Long zero runs are skipped with find() and a char-class search, which run at
+# C speed; the candidate regex alone crawls through zeros some 10x slower.
+_ZERO_RUN = bytes(64)
+_NONZERO = re.compile(rb"[^\x00]")
+
+# CRC32C of a frame's length bytes, the seed for the payload CRC. Payload
+# lengths repeat, so caching saves a C call per record; capped so a journal of
+# many distinct large lengths cannot grow the table without bound.
+_SEED_CACHE_LIMIT = 1 << 16
+SEEDS: dict[int, int] = {}
+
+BytesLike: TypeAlias = bytes | bytearray | memoryview
+
+
+class JournalError(Exception):
+    """Base class of every error this module raises on purpose."""
+
+
+class JournalCorrupt(JournalError):
+    """The journal holds damage that is not a torn tail."""
+
+    def __init__(self, path: Path | None, offset: int | None, reason: str) -> None:
+        where = "" if path is None else f"{path}" + ("" if offset is None else f" @ {offset}")
+        super().__init__(f"{where}: {reason}" if where else reason)
+        self.path = path
+        self.offset = offset
+        self.reason = reason
+
+
+class JournalFatal(JournalError):
+    """An I/O operation failed; the journal is unusable and must not be retried."""
+
+
+class JournalLocked(JournalError):
+    """Another Journal holds the directory."""
+
+
+class JournalClosed(JournalError):
+    """The journal was closed."""
+
+
+# --------------------------------------------------------------------------
+# Names and framing
+
+
+def segment_name(first_seq: int) -> str:
+    return f"seg-{first_seq:020d}.kvj"
+
+
+def snapshot_name(seq: int) -> str:
+    return f"snap-{seq:020d}.kvs"
+
+
+def length_seed(length: int) -> int:
+    seed = SEEDS.get(length)
+    if seed is None:
+        seed = crc32c(U32.pack(length))
+        if length < _SEED_CACHE_LIMIT:
+            SEEDS[length] = seed
+    return seed
+
+
+def bad_size(length: int) -> ValueError:
+    return ValueError(f"payload must be 1..{MAX_RECORD_BYTES} bytes, got {length}")
+
+
+def check_payload(payload: BytesLike) -> int:
+    """The payload's length, or ValueError if no journal would take it."""
+    length = len(payload)
+    if not 0 < length <= MAX_RECORD_BYTES:
+        raise bad_size(length)
+    return length
+
+
+def frame_header(payload: BytesLike) -> bytes:
+    length = check_payload(payload)
+    return FRAME.pack(length, crc32c(payload, length_seed(length)))
+
+
+def pack_file_header(magic: bytes, seq: int) -> bytes:
+    head = _HEADER.pack(magic, FORMAT_VERSION, seq)
+    return head + U32.pack(crc32c(head))
+
+
+class Invalid(Exception):
+    """Internal: a header or frame failed validation; the message says why."""
+
+
+def parse_file_header(data: bytes, magic: bytes) -> int:
+    if len(data) < HEADER_SIZE:
+        raise Invalid(f"file is {len(data)} bytes, shorter than its {HEADER_SIZE}-byte header")
+    found_magic, version, seq = _HEADER.unpack_from(data)
+    (stored,) = U32.unpack_from(data, _HEADER.size)
+    if crc32c(data[: _HEADER.size]) != stored:
+        raise Invalid("header CRC mismatch")
+    if found_magic != magic:
+        raise Invalid(f"bad magic {found_magic!r}, expected {magic!r}")
+    if version != FORMAT_VERSION:
+        raise Invalid(f"unsupported format version {version}")
+    if seq < 1:
+        raise Invalid(f"sequence number {seq} in header is below 1")
+    return int(seq)
+
+
+def frame_problem(data: bytes, view: memoryview, offset: int) -> str | None:
+    """Why the frame at ``offset`` is invalid, or None if it is valid."""
+    end = len(data)
+    if offset + FRAME_OVERHEAD > end:
+        return f"frame header cut short ({end - offset} bytes before end of file)"
+    length, stored = FRAME.unpack_from(data, offset)
+    if length == 0:
+        return "zero record length"
+    if length > MAX_RECORD_BYTES:
+        return f"record length {length} exceeds {MAX_RECORD_BYTES}"
+    stop = offset + FRAME_OVERHEAD + length
+    if stop > end:
+        return f"{length}-byte record runs {stop - end} bytes past end of file"
+    computed = crc32c(view[offset + FRAME_OVERHEAD : stop], length_seed(length))
+    if computed != stored:
+        return f"record CRC mismatch (stored {stored:#010x}, computed {computed:#010x})"
+    return None
+
+
+def parse_run(data: bytes, view: memoryview, offset: int) -> tuple[int, int]:
+    """Walk intact frames from ``offset``; return (offset of first bad frame or EOF, count).
+
+    The hot loop of replay, hence the local aliases, the cached CRC seeds and
+    no allocation but the memoryview slice handed to crc32c.
+    """
+    unpack = FRAME.unpack_from
+    seeds = SEEDS
+    crc = crc32c
+    end = len(data)
+    limit = end - FRAME_OVERHEAD
+    count = 0
+    while offset <= limit:
+        length, stored = unpack(data, offset)
+        body = offset + FRAME_OVERHEAD
+        stop = body + length
+        if stop > end or not 0 < length <= MAX_RECORD_BYTES:
+            break
+        try:
+            seed = seeds[length]
+        except KeyError:
+            seed = length_seed(length)
+        if crc(view[body:stop], seed) != stored:
+            break
+        offset = stop
+        count += 1
+    return offset, count
+
+
+def find_next_frame(data: bytes, view: memoryview, start: int) -> int | None:
+    """The first offset >= start where a valid frame begins, or None."""
+    end = len(data)
+    pos = start
+    while pos + FRAME_OVERHEAD < end:
+        zeros = data.find(_ZERO_RUN, pos)
+        # Inside a zero run no offset can hold a legal length, so the regex
+        # may stop there; it sees 3 bytes into the run so that a length field
+        # ending in zeros (01 00 00 00) just before it is still found.
+        limit = end if zeros < 0 else zeros + 3
+        for match in _CANDIDATE.finditer(data, pos, limit):
+            if frame_problem(data, view, match.start()) is None:
+                return match.start()
+        if zeros < 0:
+            return None
+        nonzero = _NONZERO.search(data, zeros)
+        if nonzero is None:
+            return None
+        # A length field may start up to 3 zero bytes before a non-zero byte.
+        pos = nonzero.start() - 3
+    return None
+
+
+def list_files(directory: Path, pattern: re.Pattern[str]) -> list[tuple[int, Path]]:
+    found = []
+    for entry in os.scandir(directory):
+        match = pattern.fullmatch(entry.name)
+        if match is not None:
+            found.append((int(match.group(1)), Path(entry.path)))
+    found.sort()
+    return found

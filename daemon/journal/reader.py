@@ -1,0 +1,352 @@
+"""Reading a journal: validation, torn tails and salvage, without writing a byte.
+
+:func:`read_journal` applies the reading and recovery rules of format.py to a
+journal directory (or a single segment file) and returns a
+:class:`JournalContents`: the newest snapshot, the intact records after it,
+the torn tail, and what salvage skipped. Records are validated up front and
+sliced out of the files lazily (:class:`Records`), so memory stays at one
+segment whatever the journal's length.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+from typing import NamedTuple
+
+from daemon.journal.format import (
+    FRAME_OVERHEAD,
+    HEADER_SIZE,
+    SEGMENT_MAGIC,
+    SEGMENT_RE,
+    SNAPSHOT_MAGIC,
+    SNAPSHOT_RE,
+    U32,
+    Invalid,
+    JournalCorrupt,
+    JournalError,
+    find_next_frame,
+    frame_problem,
+    list_files,
+    parse_file_header,
+    parse_run,
+)
+
+__all__ = ["Damage", "JournalContents", "Records", "Snapshot", "read_journal"]
+
+
+class Snapshot(NamedTuple):
+    seq: int
+    payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Damage:
+    """A span that salvage skipped (or a sequence gap it tolerated)."""
+
+    path: Path
+    offset: int
+    length: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path.name} @ {self.offset}: {self.reason} ({self.length} bytes skipped)"
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """Intact frames back to back: [start, end) of a segment file."""
+
+    start: int
+    end: int
+    count: int
+    first_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class _SegmentPlan:
+    path: Path
+    runs: tuple[_Run, ...]
+
+
+class Records:
+    """The intact records of a read, as ``(seq, payload)`` pairs in order.
+
+    Re-iterable and sized. Reading validated every frame up front; iterating
+    re-reads each segment file and slices the payloads, so memory stays at
+    one segment whatever the journal's length. Files are append-only, so
+    iterating after further appends yields the same records; a segment that
+    shrank or vanished since (pruned, say) raises :class:`JournalError`.
+    """
+
+    __slots__ = ("_after", "_count", "_plan")
+
+    def __init__(self, plan: tuple[_SegmentPlan, ...], after: int) -> None:
+        self._plan = plan
+        self._after = after
+        self._count = sum(
+            max(0, run.first_seq + run.count - max(run.first_seq, after + 1))
+            for seg in plan
+            for run in seg.runs
+        )
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        return chain.from_iterable(_iter_segment(seg, self._after) for seg in self._plan)
+
+    def __repr__(self) -> str:
+        return f"Records({self._count} records in {len(self._plan)} segments)"
+
+
+@dataclass(frozen=True, slots=True)
+class JournalContents:
+    """What :func:`read_journal` found.
+
+    ``snapshot``: the newest snapshot, or None. ``records``: the intact
+    records with seq > ``snapshot.seq``, in order. ``torn_bytes`` and
+    ``torn_at`` (segment, offset): the torn tail of the last segment, if any.
+    ``damage``: what salvage skipped (always empty without salvage, which
+    raises instead). ``segments``: the segment files read; those a snapshot
+    covers entirely are not. ``last_seq``: the highest seq the journal
+    accounts for, snapshot included: a writer continues at ``last_seq + 1``.
+    ``seqs_exact``: False when salvage had to guess how many records a
+    damaged span held.
+    """
+
+    snapshot: Snapshot | None
+    records: Records
+    torn_bytes: int
+    torn_at: tuple[Path, int] | None
+    damage: tuple[Damage, ...]
+    segments: tuple[Path, ...]
+    last_seq: int
+    seqs_exact: bool = True
+
+
+def _iter_segment(seg: _SegmentPlan, after: int) -> Iterator[tuple[int, bytes]]:
+    data = _read_bytes(seg.path)
+    unpack = U32.unpack_from
+    for run in seg.runs:
+        end = run.end
+        if len(data) < end:
+            raise JournalError(f"{seg.path} shrank since it was read")
+        offset = run.start
+        seq = run.first_seq
+        while seq <= after and offset < end:
+            offset += FRAME_OVERHEAD + unpack(data, offset)[0]
+            seq += 1
+        while offset < end:
+            (length,) = unpack(data, offset)
+            body = offset + FRAME_OVERHEAD
+            offset = body + length
+            yield seq, data[body:offset]
+            seq += 1
+        if offset != end:
+            raise JournalError(f"{seg.path} changed since it was read")
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError as exc:
+        raise JournalError(f"{path} vanished since it was read") from exc
+
+
+@dataclass(slots=True)
+class _ScannedSegment:
+    path: Path
+    size: int
+    first_seq: int | None  # None: neither header nor file name says
+    runs: list[tuple[int, int, int]]  # (start, end, count); damage lies between runs
+    damaged: bool = False  # salvage tolerated a problem in this segment
+    lost_tail: bool = False  # salvage skipped damage up to end of file
+    torn_at: int | None = None
+
+
+class _Reader:
+    """One read_journal pass: knows whether problems raise or are recorded."""
+
+    def __init__(self, salvage: bool) -> None:
+        self.salvage = salvage
+        self.damage: list[Damage] = []
+        self.seqs_exact = True
+
+    def problem(self, path: Path, offset: int, length: int, reason: str) -> None:
+        if not self.salvage:
+            raise JournalCorrupt(path, offset, reason)
+        self.damage.append(Damage(path, offset, length, reason))
+
+    def newest_snapshot(self, directory: Path) -> Snapshot | None:
+        for seq, path in reversed(list_files(directory, SNAPSHOT_RE)):
+            try:
+                return _read_snapshot(path, seq)
+            except Invalid as exc:
+                self.problem(path, 0, path.stat().st_size, f"bad snapshot: {exc}")
+        return None
+
+    def scan_segment(self, path: Path, name_seq: int | None, is_last: bool) -> _ScannedSegment:
+        data = path.read_bytes()
+        scanned = _ScannedSegment(path, len(data), name_seq, [])
+        if len(data) < HEADER_SIZE and is_last:
+            scanned.torn_at = 0
+            return scanned
+        try:
+            scanned.first_seq = parse_file_header(data, SEGMENT_MAGIC)
+        except Invalid as exc:
+            self.problem(path, 0, min(len(data), HEADER_SIZE), f"bad segment header: {exc}")
+            scanned.damaged = True
+        # Salvage trusts a header over the name: only the header has a CRC.
+        if name_seq is not None and scanned.first_seq != name_seq:
+            reason = f"header says first seq {scanned.first_seq}, file name {name_seq}"
+            self.problem(path, 0, 0, reason)
+            scanned.damaged = True
+        if len(data) > HEADER_SIZE:
+            self._scan_frames(scanned, data, is_last)
+        return scanned
+
+    def _scan_frames(self, scanned: _ScannedSegment, data: bytes, is_last: bool) -> None:
+        view = memoryview(data)
+        offset = HEADER_SIZE
+        while True:
+            stop, count = parse_run(data, view, offset)
+            if count:
+                scanned.runs.append((offset, stop, count))
+            if stop == len(data):
+                return
+            resume = find_next_frame(data, view, stop + 1)
+            if resume is None and is_last:
+                scanned.torn_at = stop
+                return
+            reason = frame_problem(data, view, stop) or "invalid frame"
+            skipped = (len(data) if resume is None else resume) - stop
+            self.problem(scanned.path, stop, skipped, reason)
+            scanned.damaged = True
+            if resume is None:
+                scanned.lost_tail = True
+                return
+            offset = resume
+
+
+def _read_snapshot(path: Path, name_seq: int) -> Snapshot:
+    data = path.read_bytes()
+    seq = parse_file_header(data, SNAPSHOT_MAGIC)
+    if seq != name_seq:
+        raise Invalid(f"header says seq {seq}, file name {name_seq}")
+    problem = frame_problem(data, memoryview(data), HEADER_SIZE)
+    if problem is not None:
+        raise Invalid(problem)
+    (length,) = U32.unpack_from(data, HEADER_SIZE)
+    if HEADER_SIZE + FRAME_OVERHEAD + length != len(data):
+        raise Invalid("trailing bytes after the snapshot record")
+    return Snapshot(seq, data[HEADER_SIZE + FRAME_OVERHEAD :])
+
+
+def _segments_to_read(segments: list[tuple[int, Path]], covered: int) -> list[tuple[int, Path]]:
+    """Drop the segments whose records the snapshot covers entirely."""
+    start = 0
+    for index, (first_seq, _) in enumerate(segments):
+        if first_seq <= covered + 1:
+            start = index
+    return segments[start:]
+
+
+def _number_runs(
+    reader: _Reader, scanned: _ScannedSegment, first_seq: int
+) -> tuple[list[_Run], int]:
+    """Give each run its first seq; return the runs and the segment's last seq.
+
+    Runs are separated by damaged spans. A span counts as one lost record,
+    the least it can hold, since it starts where a frame failed.
+    """
+    runs = []
+    next_seq = first_seq
+    for start, end, count in scanned.runs:
+        if start != HEADER_SIZE:
+            next_seq += 1
+            reader.seqs_exact = False
+        runs.append(_Run(start, end, count, next_seq))
+        next_seq += count
+    if scanned.lost_tail:
+        next_seq += 1
+    return runs, next_seq - 1
+
+
+def _check_continuity(
+    reader: _Reader, path: Path, first_seq: int, prev_last: int | None, covered: int
+) -> None:
+    # Records up to the snapshot need no segment, so a gap below it is fine.
+    floor = covered if prev_last is None else max(prev_last, covered)
+    if first_seq > floor + 1:
+        reader.problem(path, 0, 0, f"gap: records {floor + 1}..{first_seq - 1} are missing")
+    elif prev_last is not None and first_seq <= prev_last:
+        reader.problem(path, 0, 0, f"overlap: segment starts at {first_seq}, after {prev_last}")
+
+
+def read_journal(path: str | os.PathLike[str], *, salvage: bool = False) -> JournalContents:
+    """Validate a journal directory, or one segment file, and return its contents.
+
+    Pure reading. Raises :class:`JournalCorrupt` on anything but a torn tail
+    unless ``salvage`` is set, ``FileNotFoundError`` if ``path`` is missing.
+    A single segment file is read as the only (hence last) segment, with no
+    snapshot and no continuity requirement on its first sequence number.
+    """
+    root = Path(path)
+    reader = _Reader(salvage)
+    listing: list[tuple[int | None, Path]]
+    if root.is_file():
+        match = SEGMENT_RE.fullmatch(root.name)
+        listing = [(None if match is None else int(match.group(1)), root)]
+        snapshot = None
+    elif root.is_dir():
+        snapshot = reader.newest_snapshot(root)
+        covered = 0 if snapshot is None else snapshot.seq
+        listing = [*_segments_to_read(list_files(root, SEGMENT_RE), covered)]
+    else:
+        raise FileNotFoundError(errno.ENOENT, "no journal here", str(root))
+    scans = [
+        reader.scan_segment(path, name_seq, is_last=index == len(listing) - 1)
+        for index, (name_seq, path) in enumerate(listing)
+    ]
+    return _assemble(reader, scans, snapshot, require_start=root.is_dir())
+
+
+def _assemble(
+    reader: _Reader,
+    scans: list[_ScannedSegment],
+    snapshot: Snapshot | None,
+    *,
+    require_start: bool,
+) -> JournalContents:
+    covered = 0 if snapshot is None else snapshot.seq
+    plan: list[_SegmentPlan] = []
+    prev_last: int | None = None
+    prev_damaged = False
+    for scanned in scans:
+        first_seq = scanned.first_seq
+        if first_seq is None:
+            first_seq = (covered if prev_last is None else prev_last) + 1
+        elif (require_start or prev_last is not None) and not prev_damaged:
+            # After damage the previous segment's last seq is only a lower bound.
+            _check_continuity(reader, scanned.path, first_seq, prev_last, covered)
+        runs, prev_last = _number_runs(reader, scanned, first_seq)
+        prev_damaged = scanned.damaged
+        if runs:
+            plan.append(_SegmentPlan(scanned.path, tuple(runs)))
+    tail = scans[-1] if scans else None
+    torn_at = None if tail is None or tail.torn_at is None else (tail.path, tail.torn_at)
+    return JournalContents(
+        snapshot=snapshot,
+        records=Records(tuple(plan), covered),
+        torn_bytes=0 if tail is None or tail.torn_at is None else tail.size - tail.torn_at,
+        torn_at=torn_at,
+        damage=tuple(reader.damage),
+        segments=tuple(scanned.path for scanned in scans),
+        last_seq=max(covered, prev_last or 0),
+        seqs_exact=reader.seqs_exact,
+    )
