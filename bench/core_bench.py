@@ -15,8 +15,8 @@ from pathlib import Path
 
 from bench.results import write_section
 from daemon.journal.replay import replay
-from daemon.journal.store import FsyncPolicy, Journal
-from daemon.node.recorder import Recorder
+from daemon.journal.writer import FsyncPolicy, Journal
+from daemon.node.ledger import Ledger
 from schemas.events import (
     FORMAT_VERSION,
     KvReady,
@@ -49,26 +49,26 @@ def bench_codec(n: int = 200_000) -> tuple[float, float]:
 def write_journal(path: Path, target_events: int) -> int:
     registry = Registry(tombstone_limit=10_000)
     with Journal.open(path, fsync=FsyncPolicy.NEVER) as journal:
-        rec = Recorder(journal, registry, node="prefill-a")
-        rec.record(registry.check_attach(LAYOUT))
+        rec = Ledger(journal, registry, node="prefill-a")
+        rec.append(registry.check_attach(LAYOUT))
         i = 0
         while journal.next_seq <= target_events:
             rid = f"req-{i}"
             base = (i * 4) % ((1 << 20) - 8)
-            rec.record(
+            rec.append(
                 registry.check_register(
                     rid, 1, Role.PUSHER, "prefill-0", "decode-a", [list(range(base, base + 4))]
                 )
             )
-            rec.record(
+            rec.append(
                 registry.check_peer_registration(rid, 1, "decode-a", "decode-0", ((7, 8),), 1)
             )
-            rec.record(KvReady(rid, 1))
-            rec.record(registry.plan_trim(rid, 1))
-            rec.record(WriteStarted(rid, 1, 2, 2 * 65536))
-            rec.record(WriteDone(rid, 1))
+            rec.append(KvReady(rid, 1))
+            rec.append(registry.plan_trim(rid, 1))
+            rec.append(WriteStarted(rid, 1, 2, 2 * 65536))
+            rec.append(WriteDone(rid, 1))
             for event in registry.plan_release(rid, 1):
-                rec.record(event)
+                rec.append(event)
             i += 1
         return journal.next_seq - 1
 

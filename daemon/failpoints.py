@@ -99,12 +99,13 @@ POINTS: Final[Mapping[str, Point]] = MappingProxyType(
             io=True,
         ),
         "node.write_done": Point(
-            "Node._write: WriteDone is durable; before the prefill engine and the "
-            "decode daemon are told",
+            "Transfers._write: the pusher's WriteDone is durable; before the prefill "
+            "engine and the decode daemon are told",
             io=False,
         ),
         "node.kv_arrived": Point(
-            "Node._receiver_done: WriteDone is durable; before the decode engine is told",
+            "Transfers._arrived: the receiver's WriteDone is durable; before the decode "
+            "engine is told",
             io=False,
         ),
         "peer.send": Point(

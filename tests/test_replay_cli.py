@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from daemon.journal.replay import ReplayError, replay
-from daemon.journal.store import FsyncPolicy, Journal
-from daemon.node.recorder import Recorder
+from daemon.journal.writer import FsyncPolicy, Journal
+from daemon.node.ledger import Ledger
 from daemon.sim.lifecycle import FakeClock, push_one, run_mix
 from schemas.events import FORMAT_VERSION, Record, Released, encode_record
 from statemachine import Registry
@@ -36,7 +36,7 @@ def journal_dir(tmp_path: Path) -> tuple[Path, Registry, dict[str, int]]:
     path = tmp_path / "journal"
     registry = Registry()
     with Journal.open(path, fsync=FsyncPolicy.NEVER, segment_bytes=16 * 1024) as journal:
-        counts = run_mix(Recorder(journal, registry, node="prefill-a", clock=FakeClock()), N)
+        counts = run_mix(Ledger(journal, registry, node="prefill-a", clock=FakeClock()), N)
     return path, registry, counts
 
 
@@ -57,7 +57,7 @@ def test_replay_after_snapshot_and_prune_reproduces_live(tmp_path: Path):
     path = tmp_path / "j"
     registry = Registry()
     with Journal.open(path, fsync=FsyncPolicy.NEVER, segment_bytes=8 * 1024) as journal:
-        rec = Recorder(journal, registry, node="p", clock=FakeClock())
+        rec = Ledger(journal, registry, node="p", clock=FakeClock())
         run_mix(rec, 40)
         rec.snapshot()
         before = len(_segments(path))
@@ -73,7 +73,7 @@ def test_replay_refuses_illegal_sequence(tmp_path: Path):
     path = tmp_path / "j"
     registry = Registry()
     with Journal.open(path, fsync=FsyncPolicy.NEVER) as journal:
-        run_mix(Recorder(journal, registry, node="p", clock=FakeClock()), 5)
+        run_mix(Ledger(journal, registry, node="p", clock=FakeClock()), 5)
         # A release of a request that was already released: intact bytes, illegal history.
         bad = Record(FORMAT_VERSION, "p", journal.next_seq, 1.0, Released("req-0", 1))
         journal.append(encode_record(bad))

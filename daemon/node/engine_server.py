@@ -25,6 +25,7 @@ from daemon import failpoints
 from daemon.dataplane.memory import RegionError
 from daemon.framing import EmptyFrame, FrameEncoder, FrameTooLarge, read_frame
 from daemon.node.runtime import VERSION
+from daemon.node.serializer import KeyedSerializer
 from schemas import rpc
 from statemachine import Refusal
 
@@ -71,10 +72,8 @@ class Session:
         self.pid, self.uid, self.gid = pid, uid, gid
         self._encoder = FrameEncoder()
         self.closed = False
-        # Requests in flight on this connection (see EngineServer._submit).
-        self.inflight: set[asyncio.Task[None]] = set()
-        self.by_request: dict[str, asyncio.Task[None]] = {}
-        self.barrier: asyncio.Task[None] | None = None
+        # Requests in flight on this connection, in a safe order (see EngineServer._submit).
+        self.requests = KeyedSerializer()
 
     def send(self, message: Any) -> None:
         failpoints.hit("engine.reply")
@@ -215,9 +214,10 @@ class EngineServer:
             except msgspec.DecodeError as exc:
                 session.send(rpc.Error(0, rpc.BAD_FRAME, f"undecodable body: {exc}"))
                 continue
-            if len(session.inflight) >= MAX_INFLIGHT_PER_CONNECTION:
+            inflight = session.requests.inflight
+            if len(inflight) >= MAX_INFLIGHT_PER_CONNECTION:
                 # Backpressure: stop reading until a request finishes.
-                await asyncio.wait(session.inflight, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
             self._submit(session, request, clog)
 
     def _submit(self, session: Session, request: Any, clog: Any) -> None:
@@ -230,34 +230,12 @@ class EngineServer:
         barriers: they wait for everything before them, and everything after
         waits for them.
         """
-        key = getattr(request, "request_id", None)
-        if key is None:
-            waits = list(session.inflight)
-        else:
-            waits = [t for t in (session.barrier, session.by_request.get(key)) if t is not None]
+        session.requests.submit(
+            self._reply(session, request, clog), getattr(request, "request_id", None)
+        )
 
-        async def run() -> None:
-            for task in waits:
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(task)
-            session.send(await self._dispatch(session, request, clog))
-
-        task = asyncio.ensure_future(run())
-        session.inflight.add(task)
-        if key is None:
-            session.barrier = task
-        else:
-            session.by_request[key] = task
-
-        def done(t: asyncio.Task[None]) -> None:
-            session.inflight.discard(t)
-            if key is None:
-                if session.barrier is t:
-                    session.barrier = None
-            elif session.by_request.get(key) is t:
-                del session.by_request[key]
-
-        task.add_done_callback(done)
+    async def _reply(self, session: Session, request: Any, clog: Any) -> None:
+        session.send(await self._dispatch(session, request, clog))
 
     async def _dispatch(self, session: Session, request: Any, clog: Any) -> rpc.Reply:
         handler = self._handlers[type(request)]

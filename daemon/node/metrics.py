@@ -219,7 +219,7 @@ class NodeMetrics:
 
     def hook_group_commit(self) -> None:
         """Observe the node's group commit (it exists once the node started)."""
-        commit = self.node.commit
+        commit = self.node.group
         assert commit is not None, "hook_group_commit() needs a started node"
         commit.observers.append(self.on_commit)
 
@@ -341,7 +341,7 @@ class _NodeCollector(Collector):
         yield self._gauge("writes_in_flight", "NIXL writes in flight.", len(node.writes))
 
     def _peers(self) -> Iterable[Metric]:
-        links = self.node.peers.links if self.node.peers is not None else ()
+        links = self.node.links.links if self.node.links is not None else ()
         yield self._gauge("peers_configured", "Configured peers.", len(links))
         yield self._gauge("peers_up", "Peers with an authenticated link.", sum(i.up for i in links))
         up = GaugeMetricFamily(f"{NAMESPACE}_peer_up", "1 if the peer is up.", labels=["peer"])
@@ -370,7 +370,7 @@ class _NodeCollector(Collector):
         )
 
     def _engines(self) -> Iterable[Metric]:
-        engines = self.node.engines.values()
+        engines = self.node.engines.by_id.values()
         yield self._gauge("engines_registered", "Engines registered.", len(engines))
         yield self._gauge(
             "engines_connected",

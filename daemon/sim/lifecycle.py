@@ -2,12 +2,12 @@
 
 For tests and tools that need real journals (the fuzzers' base journal,
 postmortem and replay tests): every event goes through the same check/plan
-methods the daemon uses, then through a Recorder, under a fake clock.
+methods the daemon uses, then through a Ledger (its append, without waiting), under a fake clock.
 """
 
 from __future__ import annotations
 
-from daemon.node.recorder import Recorder
+from daemon.node.ledger import Ledger
 from schemas.events import (
     DaemonStarted,
     Failed,
@@ -38,52 +38,52 @@ class FakeClock:
         return self.now
 
 
-def push_one(rec: Recorder, rid: str, *, prefill_blocks, decode_blocks, fail: bool = False):
+def push_one(rec: Ledger, rid: str, *, prefill_blocks, decode_blocks, fail: bool = False):
     """One request through the pusher lifecycle; returns the final record or the refusal."""
     reg = rec.registry
     try:
-        rec.record(
+        rec.append(
             reg.check_register(
                 rid, 1, Role.PUSHER, PREFILL.engine_id, "decode-node", prefill_blocks
             )
         )
-        rec.record(
+        rec.append(
             reg.check_peer_registration(
                 rid, 1, "decode-node", "decode-0", tuple(tuple(g) for g in decode_blocks), 1
             )
         )
-        rec.record(KvReady(rid, 1))
+        rec.append(KvReady(rid, 1))
         trimmed = reg.plan_trim(rid, 1)
     except Refusal as refusal:
-        rec.record(Refused(rid, 1, PREFILL.engine_id, refusal.reason, refusal.message))
+        rec.append(Refused(rid, 1, PREFILL.engine_id, refusal.reason, refusal.message))
         if reg.get(rid) is not None:
             for event in reg.plan_abort(rid, 1, refusal.reason, refusal.message):
-                rec.record(event)
+                rec.append(event)
             for event in reg.plan_release(rid, 1):
-                rec.record(event)
+                rec.append(event)
         return refusal
-    rec.record(trimmed)
+    rec.append(trimmed)
     n = sum(len(g) for g in trimmed.src)
-    rec.record(WriteStarted(rid, 1, n, n * 4096))
+    rec.append(WriteStarted(rid, 1, n, n * 4096))
     if fail:
         for event in reg.plan_release(rid, 1):  # deferred: a write is in flight
-            rec.record(event)
-        rec.record(Failed(rid, 1, Reason.TRANSFER_ERROR, "injected"))
+            rec.append(event)
+        rec.append(Failed(rid, 1, Reason.TRANSFER_ERROR, "injected"))
         record = reg.get(rid)
     else:
-        _, record = rec.record(WriteDone(rid, 1))
+        _, record = rec.append(WriteDone(rid, 1))
         for event in reg.plan_release(rid, 1):
-            rec.record(event)
+            rec.append(event)
         return record
     for event in reg.follow_up(record):
-        rec.record(event)
+        rec.append(event)
     return record
 
 
-def run_mix(rec: Recorder, n: int) -> dict[str, int]:
+def run_mix(rec: Ledger, n: int) -> dict[str, int]:
     """A mix of hits, full hits, refusals and failures; returns expected counts."""
-    rec.record(DaemonStarted(1234, "test", "boot-1"))
-    rec.record(rec.registry.check_attach(PREFILL))
+    rec.append(DaemonStarted(1234, "test", "boot-1"))
+    rec.append(rec.registry.check_attach(PREFILL))
     counts = {"done": 0, "refused": 0, "failed": 0}
     for i in range(n):
         rid = f"req-{i}"

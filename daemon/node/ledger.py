@@ -1,0 +1,251 @@
+"""The ledger: the one path by which the shell changes a request and speaks of it.
+
+``ledger.commit(events, cause)`` stamps each event with the journal envelope
+(format version, node, sequence number, wall-clock time), applies it through
+the core (``Registry.apply``, the same code replay runs), appends it to the
+journal, logs it, shows it to the observers (metrics), takes a snapshot on
+cadence, and works out from the core (:mod:`statemachine.notices`) whom the
+transition must be told to. Awaiting the returned :class:`Commit` waits until
+the group commit has made the records durable, and only then delivers those
+notices to the engine and the peer (ARCHITECTURE.md, invariant 6: persist
+before telling).
+
+Appending happens when ``commit`` is called, not when it is awaited, so a
+caller may append, start other work whose records join the same fdatasync,
+and then await.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator, Iterable
+from typing import Any, Protocol
+
+import structlog
+
+from daemon import failpoints
+from daemon.journal.format import JournalFatal, check_payload
+from daemon.journal.groupcommit import GroupCommit
+from daemon.journal.replay import encode_snapshot
+from daemon.journal.writer import Journal
+from schemas import peer as pm
+from schemas import rpc
+from schemas.events import FORMAT_VERSION, Event, Failed, Record, Refused, encode_record
+from schemas.state import RequestRecord
+from statemachine import Registry
+from statemachine.notices import Notice, notices
+from statemachine.reactions import Cause
+
+log = structlog.get_logger("kvpushd.node")
+
+
+class Courier(Protocol):
+    """Who carries notices: the engine sessions and the peer links."""
+
+    def tell_engine(self, engine_id: str, message: rpc.Event) -> None: ...
+
+    def tell_peer(self, node: str, message: pm.PeerMessage) -> bool: ...
+
+
+Observer = Callable[[Event, object, float], None]
+AfterDurable = Callable[[Event, RequestRecord], None]
+
+
+class Commit:
+    """Records appended; awaiting it waits for durability, then tells."""
+
+    __slots__ = ("_ledger", "failpoint", "notices", "records", "seq")
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        seq: int,
+        owed: list[Notice],
+        records: list[tuple[Event, Any]],
+        failpoint: str | None,
+    ) -> None:
+        self._ledger = ledger
+        self.seq = seq
+        self.notices = owed
+        self.records = records
+        self.failpoint = failpoint
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._ledger._finish(self).__await__()
+
+
+class Ledger:
+    def __init__(
+        self,
+        journal: Journal,
+        registry: Registry,
+        *,
+        node: str,
+        clock: Callable[[], float] = time.time,
+        group: GroupCommit | None = None,
+        courier: Courier | None = None,
+        snapshot_every: int = 0,
+        retain_segments: int = 1,
+        debug: bool = False,
+        on_fatal: Callable[[JournalFatal], None] = lambda exc: None,
+    ) -> None:
+        self.journal = journal
+        self.registry = registry
+        self.node = node
+        self.group = group
+        self.courier = courier
+        self.observers: list[Observer] = []
+        # Run once a record is durable, before its notices go out (released
+        # offload slots go back to the pool only once the release is durable).
+        self.after_durable: list[AfterDurable] = []
+        self._clock = clock
+        self._snapshot_every = snapshot_every
+        self._retain = retain_segments
+        self._since_snapshot = 0
+        # Checked before building a debug line: this is the journal's hot path.
+        self._debug = debug
+        self._on_fatal = on_fatal
+        self._log = log.bind(node=node)
+
+    # ------------------------------------------------------------ appending
+
+    def append(self, event: Event) -> tuple[Record, object]:
+        """Apply then append ``event``; returns the record and what it touched.
+
+        The core validates first: an event it refuses raises ``Refusal`` and
+        is neither applied nor journaled; so is one too large to journal
+        (``ValueError``).
+        """
+        record = Record(FORMAT_VERSION, self.node, self.journal.next_seq, self._clock(), event)
+        payload = encode_record(record)
+        # Refuse what the journal would refuse before the registry moves: a
+        # change in memory without its record would be lost on replay. (An
+        # append that then fails on I/O is fatal: the daemon stops and replays.)
+        check_payload(payload)
+        touched = self.registry.apply(event, record.ts)
+        seq = self.journal.append(payload)
+        if seq != record.seq:
+            # The journal is the only source of sequence numbers; a mismatch
+            # means two writers, which would break replay order.
+            raise RuntimeError(f"journal assigned seq {seq}, record was stamped {record.seq}")
+        return record, touched
+
+    def commit(
+        self,
+        events: Iterable[Event],
+        cause: Cause = Cause.DAEMON,
+        *,
+        peer: str = "",
+        failpoint: str | None = None,
+    ) -> Commit:
+        """Append ``events`` in order; await the result to make them durable and tell.
+
+        ``cause`` decides who is told (:data:`statemachine.notices.NOTICES`);
+        ``peer`` names the peer daemon to answer when the event has no record
+        here to name it (a refused forward). ``failpoint`` is hit once the
+        records are durable, before anyone is told (daemon/failpoints.py).
+        """
+        owed: list[Notice] = []
+        records: list[tuple[Event, Any]] = []
+        seq = 0
+        for event in events:
+            pending = self._pending_peer(event)
+            record, touched = self._append_logged(event)
+            seq = record.seq
+            records.append((event, touched))
+            if hasattr(event, "request_id"):
+                owed.extend(
+                    notices(
+                        touched if isinstance(touched, RequestRecord) else None,
+                        event,  # type: ignore[arg-type]
+                        cause,
+                        peer=pending or peer,
+                        layouts=self.registry.engines,
+                    )
+                )
+        return Commit(self, seq, owed, records, failpoint)
+
+    def _pending_peer(self, event: Event) -> str:
+        # A pending registration has no record to name its peer; the failure
+        # that ends it must still reach that peer.
+        if isinstance(event, Failed) and self.registry.pending:
+            pending = self.registry.pending.get(event.request_id)
+            if pending is not None:
+                return pending.registration.peer
+        return ""
+
+    def _append_logged(self, event: Event) -> tuple[Record, object]:
+        try:
+            record, touched = self.append(event)
+        except JournalFatal as exc:
+            # A synchronous commit (policy "always", a full segment) failed, or
+            # the journal failed before: as fatal as a failed group commit.
+            self._on_fatal(exc)
+            raise
+        self._log_event(event, record.seq)
+        for observe in self.observers:
+            observe(event, touched, record.ts)
+        if self._snapshot_every:
+            self._since_snapshot += 1
+            if self._since_snapshot >= self._snapshot_every:
+                self._since_snapshot = 0
+                try:
+                    self.snapshot()
+                except JournalFatal as exc:
+                    self._on_fatal(exc)  # the snapshot's commit or file write failed
+                    raise
+        return record, touched
+
+    def _log_event(self, event: Event, seq: int) -> None:
+        request_id = getattr(event, "request_id", None)
+        if request_id is None:
+            return
+        if isinstance(event, Failed | Refused):
+            self._log.warning(
+                "request failed" if isinstance(event, Failed) else "request refused",
+                request_id=request_id,
+                incarnation=event.incarnation,
+                reason=event.reason.value,
+                detail=event.message,
+                seq=seq,
+            )
+        elif self._debug:
+            self._log.debug(
+                "transition",
+                request_id=request_id,
+                incarnation=event.incarnation,  # type: ignore[union-attr]
+                kind=type(event).__name__,
+                seq=seq,
+            )
+
+    def snapshot(self, *, retain_segments: int | None = None) -> int:
+        """Make everything durable, write a registry snapshot, prune old segments."""
+        seq = self.journal.commit()
+        self.journal.write_snapshot(seq, encode_snapshot(self.registry.snapshot(seq)))
+        retain = self._retain if retain_segments is None else retain_segments
+        self.journal.prune(retain_segments=retain)
+        return seq
+
+    # ------------------------------------------------------------ durability
+
+    async def durable(self, seq: int) -> None:
+        assert self.group is not None, "a ledger without a group commit never waits"
+        await self.group.durable(seq)
+
+    async def _finish(self, commit: Commit) -> None:
+        if commit.seq:
+            await self.durable(commit.seq)
+        if commit.failpoint is not None:
+            failpoints.hit(commit.failpoint)
+        for event, touched in commit.records:
+            if isinstance(touched, RequestRecord):
+                for after in self.after_durable:
+                    after(event, touched)
+        courier = self.courier
+        if courier is None:
+            return
+        for notice in commit.notices:
+            if notice.to_engine:
+                courier.tell_engine(notice.to, notice.message)  # type: ignore[arg-type]
+            else:
+                courier.tell_peer(notice.to, notice.message)  # type: ignore[arg-type]

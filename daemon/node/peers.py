@@ -1,0 +1,267 @@
+"""The peer daemons: their agents and engines, their messages, their deaths.
+
+The peer manager (daemon/node/peerlink.py) calls back synchronously and in
+arrival order. Handlers wait on the journal, so each runs as a task; tasks
+are serialized per request id (and behind the peer's own up/down handling)
+so that the order the peer sent in is the order they are applied in. What a
+message does to a request is the core's decision (statemachine/reactions.py);
+this module looks the request up and commits what the core says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from daemon.dataplane.plane import DataPlaneError
+from daemon.node.serializer import KeyedSerializer
+from schemas import peer as pm
+from schemas.events import Refused
+from schemas.kvlayout import RemoteEngine, model_signature
+from schemas.layout import Role
+from schemas.reasons import Reason
+from statemachine import Refusal
+from statemachine.notices import final_word, forward_known, no_write_here, on_peer_back
+from statemachine.reactions import Cause, Stimulus, Why, react, react_pending
+from statemachine.registry import attention_ratio
+
+if TYPE_CHECKING:
+    from daemon.node.runtime import Node
+
+log = structlog.get_logger("kvpushd.node")
+PUSHER, RECEIVER = Role.PUSHER, Role.RECEIVER
+
+
+@dataclass
+class PeerState:
+    agent_name: str = ""
+    boot_id: str = ""
+    engines: dict[str, RemoteEngine] = field(default_factory=dict)
+
+
+class Peers:
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.states: dict[str, PeerState] = {}
+        self._order = KeyedSerializer(node.spawn)
+
+    def tell_peer(self, node: str, message: pm.PeerMessage) -> bool:
+        links = self.node.links
+        return links is not None and bool(links.send(node, message))
+
+    def is_up(self, node: str) -> bool:
+        links = self.node.links
+        return links is not None and links.is_up(node)
+
+    # -------------------------------------------------- peer manager callbacks
+
+    def on_up(self, node: str, hello: pm.Hello, link: Any) -> None:
+        self.check_hello(node, hello)
+        self._order.submit(self.peer_up(node, hello), ("peer", node))
+
+    def on_down(self, node: str, reason: str) -> None:
+        if self.node.stopping:
+            # Shutting down: what is live stays in the journal and fails as
+            # "daemon restart" on the next start; journaling now would race
+            # the close of the journal.
+            return
+        self._order.submit(self.peer_down(node, reason), ("peer", node))
+
+    def on_message(self, node: str, message: Any) -> None:
+        request_id = getattr(message, "request_id", None)
+        key: Hashable = ("request", request_id) if request_id is not None else ("peer", node)
+        self._order.submit(self.peer_message(node, message), key, after=("peer", node))
+
+    # ------------------------------------------------------------- up, down
+
+    def check_hello(self, node: str, hello: pm.Hello) -> None:
+        """Refuse a peering whose engines cannot exchange KV with ours."""
+        from daemon.node.peerlink import PeerRejected
+
+        local = {model_signature(e.spec.groups) for e in self.node.engines.by_id.values()}
+        for engine in hello.engines:
+            signature = model_signature(engine.groups)
+            if local and signature not in local:
+                raise PeerRejected(
+                    "layout_mismatch",
+                    f"engine {engine.engine_id} on {node} has layout {signature}, "
+                    f"this node's engines have {sorted(local)}",
+                )
+
+    async def peer_up(self, node: str, hello: pm.Hello) -> None:
+        dataplane = self.node.dataplane
+        state = self.states.setdefault(node, PeerState())
+        if state.agent_name and state.agent_name != hello.agent_name:
+            with contextlib.suppress(Exception):
+                await dataplane.remove_remote_agent(state.agent_name)
+        if state.boot_id and state.boot_id != hello.boot_id:
+            # A new process: the old one, which knew the revoked windows, is gone.
+            await dataplane.drop_revoked(node)
+        state.agent_name = await dataplane.add_remote_agent(hello.agent_metadata)
+        state.boot_id = hello.boot_id
+        state.engines = {}
+        for engine in hello.engines:
+            await dataplane.add_remote_engine(state.agent_name, engine)
+            state.engines[engine.engine_id] = engine
+        log.info("peer up", peer=node, boot_id=hello.boot_id, engines=len(hello.engines))
+        self._reconcile(node)
+
+    def _reconcile(self, node: str) -> None:
+        """After (re)connecting, say again what the peer may have missed."""
+        registry = self.node.registry
+        for record in list(registry.live.values()):
+            if record.peer != node:
+                continue
+            layout = registry.engines.get(record.engine_id)
+            ratio = attention_ratio(layout) if layout is not None else 1
+            for message in on_peer_back(record, ratio):
+                self.tell_peer(node, message)
+
+    async def peer_engines(
+        self, node: str, engines: tuple[RemoteEngine, ...], metadata: bytes
+    ) -> None:
+        state = self.states.get(node)
+        if state is None or not state.agent_name:
+            return
+        dataplane = self.node.dataplane
+        state.agent_name = await dataplane.add_remote_agent(metadata)
+        for engine in engines:
+            known = state.engines.get(engine.engine_id)
+            if known == engine:
+                continue
+            if known is not None:
+                await dataplane.remove_remote_engine(state.agent_name, engine.engine_id)
+            await dataplane.add_remote_engine(state.agent_name, engine)
+            state.engines[engine.engine_id] = engine
+        # The list is the peer's whole view: an engine missing from it left.
+        listed = {engine.engine_id for engine in engines}
+        for engine_id in [e for e in state.engines if e not in listed]:
+            del state.engines[engine_id]
+            with contextlib.suppress(DataPlaneError):
+                await dataplane.remove_remote_engine(state.agent_name, engine_id)
+
+    async def peer_down(self, node: str, reason: str) -> None:
+        """A peer is dead (TTL, disconnect): fence it, fail what depended on it."""
+        own = self.node
+        log.warning("peer down", peer=node, reason=reason)
+        await own.windows.fence(node)
+        why = Why(Reason.PEER_DEAD, f"peer {node} is dead ({reason})")
+        for listed in list(own.registry.live.values()):
+            # Each await below lets other handlers (an engine's release, say)
+            # move records on: act on the record as it is now, not as listed.
+            record = own.registry.get(listed.request_id)
+            if record is None or record.incarnation != listed.incarnation or record.peer != node:
+                continue
+            await own.react(record, Stimulus.PEER_DEAD, why)
+        for pending in list(own.registry.pending.values()):
+            reg = pending.registration
+            if own.registry.pending.get(reg.request_id) is not pending or reg.peer != node:
+                continue  # joined by its engine or failed meanwhile, or someone else's
+            await own.ledger.commit(
+                react_pending(pending, Stimulus.PEER_DEAD, why), Cause.PEER_DEAD
+            )
+        await own.windows.rewindow(node)
+
+    # ------------------------------------------------------------- messages
+
+    async def peer_message(self, node: str, message: Any) -> None:
+        handler = _HANDLERS.get(type(message))
+        if handler is None:
+            log.warning("unexpected peer message", peer=node, type=type(message).__name__)
+            return
+        try:
+            await handler(self, node, message)
+        except Refusal as refusal:
+            log.info(
+                "peer message refused",
+                peer=node,
+                reason=refusal.reason.value,
+                message=refusal.message,
+            )
+
+    async def _on_forward(self, node: str, msg: pm.Forward) -> None:
+        own = self.node
+        if forward_known(own.registry.get(msg.request_id), msg):
+            return  # a re-sent forward after reconnecting: already known
+        pending = own.registry.pending.get(msg.request_id)
+        if pending is not None and pending.registration.blocks == msg.blocks:
+            return
+        try:
+            event = own.registry.check_peer_registration(
+                msg.request_id, msg.incarnation, node, msg.engine_id, msg.blocks, msg.per_logical
+            )
+        except Refusal as refusal:
+            own.counters["refusals"] += 1
+            refused = Refused(
+                msg.request_id, msg.incarnation, msg.engine_id, refusal.reason, refusal.message
+            )
+            await own.ledger.commit([refused], Cause.PEER, peer=node)
+            return
+        await own.ledger.commit([event], Cause.PEER)
+        await own.transfers.advance(msg.request_id)
+
+    async def _on_cancel(self, node: str, msg: pm.Cancel) -> None:
+        own = self.node
+        record = own.registry.get(msg.request_id)
+        if record is None or record.incarnation != msg.incarnation:
+            pending = own.registry.pending.get(msg.request_id)
+            if pending is not None and pending.registration.incarnation == msg.incarnation:
+                await own.ledger.commit(react_pending(pending, Stimulus.PEER_CANCEL), Cause.PEER)
+            else:
+                self.tell_peer(node, no_write_here(msg))
+            return
+        if record.role is not PUSHER:
+            return
+        # Invariant 2: never start a write the receiver has cancelled. Once
+        # the request ended, the receiver gets the final word again.
+        events = react(record, Stimulus.PEER_CANCEL)
+        if events:
+            await own.ledger.commit(events, Cause.PEER)
+            await own.transfers.follow_up(msg.request_id)
+        else:
+            for message in final_word(record):
+                self.tell_peer(node, message)
+
+    async def _on_writing(self, node: str, msg: pm.Writing) -> None:
+        await self._receiver_hears(
+            msg.request_id,
+            msg.incarnation,
+            Stimulus.PEER_WRITING,
+            Why(num_blocks=msg.num_blocks, nbytes=msg.nbytes),
+        )
+
+    async def _on_write_done(self, node: str, msg: pm.WriteDone) -> None:
+        await self._receiver_hears(msg.request_id, msg.incarnation, Stimulus.PEER_WRITE_DONE)
+
+    async def _on_write_failed(self, node: str, msg: pm.WriteFailed) -> None:
+        # "Cancelled by peer" from the pusher means it refused our request.
+        reason = (
+            msg.reason if msg.reason is not Reason.CANCELLED_BY_PEER else Reason.REFUSED_BY_PEER
+        )
+        why = Why(reason, f"{node}: {msg.message}")
+        await self._receiver_hears(msg.request_id, msg.incarnation, Stimulus.PEER_WRITE_FAILED, why)
+
+    async def _receiver_hears(
+        self, request_id: str, incarnation: int, stimulus: Stimulus, why: Why | None = None
+    ) -> None:
+        record = self.node.registry.get(request_id)
+        if record is None or record.incarnation != incarnation or record.role is not RECEIVER:
+            return
+        await self.node.react(record, stimulus, why)
+
+    async def _on_engines(self, node: str, msg: pm.Engines) -> None:
+        await self.peer_engines(node, msg.engines, msg.agent_metadata)
+
+
+_HANDLERS: dict[type, Callable[[Peers, str, Any], Awaitable[None]]] = {
+    pm.Forward: Peers._on_forward,
+    pm.Cancel: Peers._on_cancel,
+    pm.Writing: Peers._on_writing,
+    pm.WriteDone: Peers._on_write_done,
+    pm.WriteFailed: Peers._on_write_failed,
+    pm.Engines: Peers._on_engines,
+}

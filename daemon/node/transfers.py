@@ -1,0 +1,203 @@
+"""Transfers: the pusher's trim and NIXL write, the receiver's arrival.
+
+Pusher: once both registrations are known the core trims (tail alignment,
+invariant 3); once the KV is ready the write starts: ``writing`` is
+committed, the peer is told, and one NIXL WRITE with the notification
+``"R#inc"`` is posted. Receiver: the notification (or the pusher's word)
+ends the wait for data. Every change goes through the ledger; what each
+change owes to whom is the core's (statemachine/notices.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import structlog
+
+from daemon.dataplane.plane import DataPlaneError
+from schemas.events import Event, Refused, WriteStarted
+from schemas.layout import Role
+from schemas.reasons import Reason
+from schemas.state import RequestRecord, State
+from statemachine import TrimRefused
+from statemachine.reactions import Cause, Stimulus, Why, awaiting_data, react
+
+if TYPE_CHECKING:
+    from daemon.node.ledger import Commit
+    from daemon.node.runtime import Node
+
+log = structlog.get_logger("kvpushd.node")
+PUSHER, RECEIVER = Role.PUSHER, Role.RECEIVER
+REGISTERED, TRIMMED, WRITING = State.REGISTERED, State.TRIMMED, State.WRITING
+
+
+def notification_for(request_id: str, incarnation: int) -> bytes:
+    return f"{request_id}#{incarnation}".encode()
+
+
+def parse_notification(message: bytes) -> tuple[str, int] | None:
+    request_id, sep, incarnation = message.decode(errors="replace").rpartition("#")
+    if not sep or not incarnation.isdigit():
+        return None
+    return request_id, int(incarnation)
+
+
+class PeerGone(Exception):
+    pass
+
+
+class Transfers:
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.writes: dict[str, asyncio.Task[None]] = {}
+        # Receivers waiting for data: the data plane polls for notifications
+        # only while there is one.
+        self.awaiting: set[str] = set()
+
+    def observe(self, event: Event, touched: object, ts: float) -> None:
+        """Ledger observer: keep the set of receivers awaiting data in step with the core."""
+        if not isinstance(touched, RequestRecord) or touched.role is not RECEIVER:
+            return
+        had = bool(self.awaiting)
+        if awaiting_data(touched):
+            self.awaiting.add(touched.request_id)
+        else:
+            self.awaiting.discard(touched.request_id)
+        if had != bool(self.awaiting):
+            self.node.dataplane.expect_notifications(bool(self.awaiting))
+
+    async def follow_up(self, request_id: str) -> None:
+        """Carry out a deferred release once the quarantine lifts."""
+        record = self.node.registry.get(request_id)
+        if record is None:
+            return
+        events = react(record, Stimulus.QUARANTINE_LIFTED)
+        if events:
+            await self.node.ledger.commit(events, Cause.DAEMON)
+
+    # --------------------------------------------------------------- pusher
+
+    async def advance(self, request_id: str) -> None:
+        """Pusher: trim once both sides are known, write once the KV is ready."""
+        node = self.node
+        record = node.registry.get(request_id)
+        if record is None or record.role is not PUSHER:
+            return
+        if record.state is REGISTERED and record.remote_blocks is not None:
+            try:
+                trimmed = node.registry.plan_trim(record.request_id, record.incarnation)
+            except TrimRefused as refusal:
+                node.counters["refusals"] += 1
+                refused = Refused(
+                    record.request_id,
+                    record.incarnation,
+                    record.engine_id,
+                    refusal.reason,
+                    refusal.message,
+                )
+                await node.ledger.commit([refused])
+                await node.react(record, Stimulus.FAILURE, Why(refusal.reason, refusal.message))
+                return
+            committed = node.ledger.commit([trimmed])
+            record = node.registry.get(request_id)
+            assert record is not None
+            if not record.kv_ready:
+                # Nothing waits on the journal again until kv_ready, which may
+                # be long: without this (found by tests/test_load.py) an idle
+                # daemon's journal lagged its registry by every such trim.
+                await committed
+                record = node.registry.get(request_id)
+                if record is None:
+                    return
+        if record.state is TRIMMED and record.kv_ready and request_id not in self.writes:
+            self._start_write(record)
+
+    def _start_write(self, record: RequestRecord) -> None:
+        node = self.node
+        assert record.src is not None
+        engine = node.engines.by_id.get(record.engine_id)
+        if engine is None:
+            why = Why(Reason.UNKNOWN_ENGINE, "engine went away")
+            node.spawn(node.react(record, Stimulus.FAILURE, why))
+            return
+        n_blocks = sum(len(ids) for ids in record.src)
+        nbytes = sum(
+            len(ids) * group.block_bytes * len(group.layers)
+            for ids, group in zip(record.src, engine.spec.groups, strict=True)
+        )
+        # Committed now, awaited by the write: the peer hears "writing" only
+        # once it is durable, and the WRITE is posted after that.
+        started = node.ledger.commit(
+            [WriteStarted(record.request_id, record.incarnation, n_blocks, nbytes)]
+        )
+        node.counters["writes_started"] += 1
+        self.writes[record.request_id] = node.spawn(self._write(record, started, n_blocks, nbytes))
+
+    async def _write(
+        self, record: RequestRecord, started: Commit, n_blocks: int, nbytes: int
+    ) -> None:
+        node = self.node
+        rid, inc = record.request_id, record.incarnation
+        try:
+            await started
+            peer = node.peers.states.get(record.peer)
+            if n_blocks:
+                if peer is None or not peer.agent_name or not node.peers.is_up(record.peer):
+                    raise PeerGone(f"peer {record.peer} is not connected")
+                assert record.src is not None and record.dst is not None
+                await node.dataplane.write(
+                    record.engine_id,
+                    peer.agent_name,
+                    record.remote_engine,
+                    record.src,
+                    record.dst,
+                    notification_for(rid, inc),
+                )
+        except (DataPlaneError, PeerGone) as exc:
+            self.writes.pop(rid, None)
+            node.counters["writes_failed"] += 1
+            reason = Reason.PEER_DEAD if isinstance(exc, PeerGone) else Reason.TRANSFER_ERROR
+            current = node.registry.get(rid)
+            if current is not None and current.state is WRITING:
+                await node.react(current, Stimulus.FAILURE, Why(reason, str(exc)))
+            return
+        self.writes.pop(rid, None)
+        current = node.registry.get(rid)
+        if current is None or current.state is not WRITING:
+            return
+        node.counters["writes_done"] += 1
+        node.counters["bytes_written"] += nbytes
+        await node.react(current, Stimulus.WRITE_COMPLETED, failpoint="node.write_done")
+
+    async def cancel_write(self, request_id: str) -> None:
+        """Abort the NIXL transfer of a write task and wait until it has stopped."""
+        task = self.writes.pop(request_id, None)
+        if task is None:
+            return
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                raise  # we are being cancelled ourselves, not just the write
+        except Exception as exc:  # already failed: the write task logged and failed it
+            log.debug("cancelled write had failed", request_id=request_id, error=repr(exc))
+
+    # ------------------------------------------------------------- receiver
+
+    def on_notification(self, agent_name: str, message: bytes) -> None:
+        key = parse_notification(message)
+        if key is None:
+            log.warning("unparseable notification", agent=agent_name)
+            return
+        record = self.node.registry.get(key[0])
+        if record is None or record.incarnation != key[1] or not awaiting_data(record):
+            return
+        self.node.spawn(self._arrived(key[0], key[1]))
+
+    async def _arrived(self, request_id: str, incarnation: int) -> None:
+        record = self.node.registry.get(request_id)
+        if record is None or record.incarnation != incarnation:
+            return
+        await self.node.react(record, Stimulus.DATA_LANDED, failpoint="node.kv_arrived")

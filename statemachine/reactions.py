@@ -1,0 +1,323 @@
+"""What the daemon journals when something happens to a live request.
+
+The transition table (:mod:`statemachine.transitions`) says which events are
+legal; this module says which events a *stimulus* calls for: an engine's
+abort or release, the data landing, a peer's word, a peer's death, a
+deadline, a restart, a quarantine lifting. Read ``REACTIONS`` as a table: for
+a stimulus and a request's role and state, the reaction to journal. A cell
+that is not listed means "nothing to journal".
+
+The stimulus also says who caused the events (:class:`Cause`), which
+:mod:`statemachine.notices` needs to decide who must be told.
+
+A receiver's registration that reached the pusher before the pusher's own
+engine registered is a *pending* registration (``Registry.pending``): not yet a
+request, it has no state. Its rules are the ``PENDING`` rows of
+``PENDING_REACTIONS``: it is joined by the engine's registration, or failed
+and tombstoned (cancelled, peer dead, deadline, restart).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Final, NamedTuple
+
+from schemas.events import (
+    Failed,
+    PeerSettled,
+    Released,
+    ReleaseDeferred,
+    RequestEvent,
+    WriteDone,
+    WriteStarted,
+)
+from schemas.layout import Role
+from schemas.reasons import Reason
+from schemas.state import Deadlines, PendingPeer, RequestRecord, State
+from statemachine.transitions import apply, is_quarantined
+
+PUSHER, RECEIVER = Role.PUSHER, Role.RECEIVER
+REGISTERED, TRIMMED, WRITING = State.REGISTERED, State.TRIMMED, State.WRITING
+DONE, RELEASED, FAILED = State.DONE, State.RELEASED, State.FAILED
+
+
+class Cause(enum.Enum):
+    """Who made a transition happen; decides who must be told of it."""
+
+    ENGINE = "engine"  # the request's own engine asked (its reply says the outcome)
+    PEER = "peer"  # the peer daemon said so
+    PEER_DEAD = "peer_dead"  # the peer is dead and fenced: nothing can reach it
+    DAEMON = "daemon"  # this daemon decided (trim, write, data landed, deadline, follow-up)
+    RESTART = "restart"  # found mid-flight after a restart: told when engines and peers return
+
+
+class Stimulus(enum.Enum):
+    ENGINE_ABORT = "engine_abort"
+    ENGINE_RELEASE = "engine_release"
+    DATA_LANDED = "data_landed"  # receiver: the NIXL notification of the write
+    PEER_WRITE_DONE = "peer_write_done"  # receiver: the pusher's word that the write is done
+    PEER_WRITING = "peer_writing"  # receiver: the pusher started the write
+    PEER_WRITE_FAILED = "peer_write_failed"  # receiver: the write failed or will never start
+    PEER_CANCEL = "peer_cancel"  # pusher: the receiver gave the request up
+    PEER_DEAD = "peer_dead"
+    DEADLINE = "deadline"
+    RESTART = "restart"
+    QUARANTINE_LIFTED = "quarantine_lifted"  # a deferred release may now be carried out
+    WRITE_COMPLETED = "write_completed"  # pusher: NIXL reported the WRITE done
+    FAILURE = "failure"  # this daemon gave up (trim refused, transfer error, engine gone, drain)
+
+    @property
+    def cause(self) -> Cause:
+        return _CAUSES[self]
+
+
+_CAUSES: Final = MappingProxyType(
+    {
+        Stimulus.ENGINE_ABORT: Cause.ENGINE,
+        Stimulus.ENGINE_RELEASE: Cause.ENGINE,
+        Stimulus.DATA_LANDED: Cause.DAEMON,
+        Stimulus.PEER_WRITE_DONE: Cause.PEER,
+        Stimulus.PEER_WRITING: Cause.PEER,
+        Stimulus.PEER_WRITE_FAILED: Cause.PEER,
+        Stimulus.PEER_CANCEL: Cause.PEER,
+        Stimulus.PEER_DEAD: Cause.PEER_DEAD,
+        Stimulus.DEADLINE: Cause.DAEMON,
+        Stimulus.RESTART: Cause.RESTART,
+        Stimulus.QUARANTINE_LIFTED: Cause.DAEMON,
+        Stimulus.WRITE_COMPLETED: Cause.DAEMON,
+        Stimulus.FAILURE: Cause.DAEMON,
+    }
+)
+
+
+class Why(NamedTuple):
+    """The reason and words a ``Failed`` carries, and a peer's write figures."""
+
+    reason: Reason = Reason.ABORTED
+    message: str = ""
+    num_blocks: int = 0
+    nbytes: int = 0
+
+
+def awaiting_data(record: RequestRecord) -> bool:
+    """A receiver whose KV has neither arrived nor been given up."""
+    return record.role is RECEIVER and record.state in (REGISTERED, WRITING)
+
+
+# ------------------------------------------------------------------ reactions
+# Each takes the record as it is now and the stimulus's details.
+
+_Reaction = Callable[[RequestRecord, Why, Mapping[State, float]], list[RequestEvent]]
+
+
+def fail(r: RequestRecord, why: Why, _: Mapping[State, float]) -> list[RequestEvent]:
+    return [Failed(r.request_id, r.incarnation, why.reason, why.message)]
+
+
+def fail_settled(r: RequestRecord, why: Why, _: Mapping[State, float]) -> list[RequestEvent]:
+    """Fail, and record that the pusher's final word is in (or never can come)."""
+    return [Failed(r.request_id, r.incarnation, why.reason, why.message, settled=True)]
+
+
+def defer_release(r: RequestRecord, why: Why, _: Mapping[State, float]) -> list[RequestEvent]:
+    """The write cannot be recalled: it ends as done or failed, then the release."""
+    return [] if r.release_pending else [ReleaseDeferred(r.request_id, r.incarnation)]
+
+
+def release(r: RequestRecord, why: Why, seconds: Mapping[State, float]) -> list[RequestEvent]:
+    """Honour the release, or defer it while a write may still land."""
+    events: list[RequestEvent] = []
+    if r.state in (REGISTERED, TRIMMED) or (r.role is RECEIVER and r.state is WRITING):
+        # Releasing before done gives the request up; preview the failure to
+        # decide whether the release itself must wait.
+        failed = Failed(r.request_id, r.incarnation, why.reason, why.message)
+        events.append(failed)
+        r = apply(r, failed, r.entered_at, seconds)
+    if not is_quarantined(r):
+        events.append(Released(r.request_id, r.incarnation))
+    elif not r.release_pending:
+        events.append(ReleaseDeferred(r.request_id, r.incarnation))
+    return events
+
+
+def write_started(r: RequestRecord, why: Why, _: Mapping[State, float]) -> list[RequestEvent]:
+    return [WriteStarted(r.request_id, r.incarnation, why.num_blocks, why.nbytes)]
+
+
+def write_done(r: RequestRecord, why: Why, _: Mapping[State, float]) -> list[RequestEvent]:
+    return [WriteDone(r.request_id, r.incarnation)]
+
+
+def settle(r: RequestRecord, why: Why, _: Mapping[State, float]) -> list[RequestEvent]:
+    """The pusher's final word for a receiver that already failed."""
+    return [] if r.settled else [PeerSettled(r.request_id, r.incarnation)]
+
+
+def settle_fenced(r: RequestRecord, why: Why, _: Mapping[State, float]) -> list[RequestEvent]:
+    """No word will come from a dead, fenced pusher: the quarantine lifts without it."""
+    return [] if r.settled else [PeerSettled(r.request_id, r.incarnation, fenced=True)]
+
+
+def expire(r: RequestRecord, why: Why, _: Mapping[State, float]) -> list[RequestEvent]:
+    """A deadline in a final state: fence a quarantined receiver's peer, else release.
+
+    The shell must make the event true before journaling it: fence the peer
+    (revoke its windows) before ``PeerSettled(fenced=True)``.
+    """
+    if is_quarantined(r):
+        return [PeerSettled(r.request_id, r.incarnation, fenced=True)]
+    return [Released(r.request_id, r.incarnation)]
+
+
+def release_if_due(r: RequestRecord, why: Why, _: Mapping[State, float]) -> list[RequestEvent]:
+    """A deferred release becomes due once the quarantine lifts."""
+    if r.release_pending and not is_quarantined(r):
+        return [Released(r.request_id, r.incarnation)]
+    return []
+
+
+def fail_naming_state(r: RequestRecord, why: Why, s: Mapping[State, float]) -> list[RequestEvent]:
+    return fail(r, why._replace(message=f"{why.message} in state {r.state.value}"), s)
+
+
+# fmt: off
+REACTIONS: Final[Mapping[Stimulus, Mapping[tuple[Role, State], _Reaction]]] = MappingProxyType({
+    # stimulus                  role      state          -> reaction
+    Stimulus.ENGINE_ABORT: {
+                               (PUSHER,   REGISTERED):   fail,
+                               (PUSHER,   TRIMMED):      fail,
+                               (PUSHER,   WRITING):      defer_release,
+                               (RECEIVER, REGISTERED):   fail,
+                               (RECEIVER, WRITING):      fail},
+    Stimulus.ENGINE_RELEASE: {
+                               (PUSHER,   REGISTERED):   release,
+                               (PUSHER,   TRIMMED):      release,
+                               (PUSHER,   WRITING):      release,
+                               (PUSHER,   DONE):         release,
+                               (PUSHER,   FAILED):       release,
+                               (RECEIVER, REGISTERED):   release,
+                               (RECEIVER, WRITING):      release,
+                               (RECEIVER, DONE):         release,
+                               (RECEIVER, FAILED):       release},
+    # Only the pusher's word settles a receiver that gave up: a notification
+    # alone does not prove that no other write for it is still in flight.
+    Stimulus.DATA_LANDED: {
+                               (RECEIVER, REGISTERED):   write_done,
+                               (RECEIVER, WRITING):      write_done},
+    Stimulus.PEER_WRITE_DONE: {
+                               (RECEIVER, REGISTERED):   write_done,
+                               (RECEIVER, WRITING):      write_done,
+                               (RECEIVER, FAILED):       settle},
+    Stimulus.PEER_WRITING: {
+                               (RECEIVER, REGISTERED):   write_started},
+    Stimulus.PEER_WRITE_FAILED: {
+                               (RECEIVER, REGISTERED):   fail_settled,
+                               (RECEIVER, WRITING):      fail_settled,
+                               (RECEIVER, FAILED):       settle},
+    Stimulus.PEER_CANCEL: {
+                               (PUSHER,   REGISTERED):   fail,
+                               (PUSHER,   TRIMMED):      fail},
+    Stimulus.PEER_DEAD: {
+                               (PUSHER,   REGISTERED):   fail,
+                               (PUSHER,   TRIMMED):      fail,
+                               (RECEIVER, REGISTERED):   fail_settled,
+                               (RECEIVER, WRITING):      fail_settled,
+                               (RECEIVER, FAILED):       settle_fenced},
+    Stimulus.DEADLINE: {
+                               (PUSHER,   REGISTERED):   fail_naming_state,
+                               (PUSHER,   TRIMMED):      fail_naming_state,
+                               (PUSHER,   WRITING):      fail_naming_state,
+                               (PUSHER,   DONE):         expire,
+                               (PUSHER,   FAILED):       expire,
+                               (RECEIVER, REGISTERED):   fail_naming_state,
+                               (RECEIVER, WRITING):      fail_naming_state,
+                               (RECEIVER, DONE):         expire,
+                               (RECEIVER, FAILED):       expire},
+    # A pusher's write died with the old process (the copy ran in its
+    # threads), so nothing is in flight from this side after a restart.
+    Stimulus.RESTART: {
+                               (PUSHER,   REGISTERED):   fail_naming_state,
+                               (PUSHER,   TRIMMED):      fail_naming_state,
+                               (PUSHER,   WRITING):      fail_naming_state,
+                               (RECEIVER, REGISTERED):   fail_naming_state,
+                               (RECEIVER, WRITING):      fail_naming_state},
+    Stimulus.WRITE_COMPLETED: {
+                               (PUSHER,   WRITING):      write_done},
+    Stimulus.FAILURE: {
+                               (PUSHER,   REGISTERED):   fail,
+                               (PUSHER,   TRIMMED):      fail,
+                               (PUSHER,   WRITING):      fail,
+                               (RECEIVER, REGISTERED):   fail,
+                               (RECEIVER, WRITING):      fail},
+    Stimulus.QUARANTINE_LIFTED: {
+                               (PUSHER,   DONE):         release_if_due,
+                               (PUSHER,   FAILED):       release_if_due,
+                               (RECEIVER, DONE):         release_if_due,
+                               (RECEIVER, FAILED):       release_if_due},
+})
+
+# A pending registration (no state yet): the stimuli that end it. Its Failed
+# is always settled: no engine on this side, no write from this side.
+PENDING_REACTIONS: Final[frozenset[Stimulus]] = frozenset({
+    Stimulus.PEER_CANCEL, Stimulus.PEER_DEAD, Stimulus.DEADLINE, Stimulus.RESTART,
+})
+# fmt: on
+
+# The words of each stimulus's Failed, where the stimulus does not bring its own.
+DEFAULT_WHY: Final[Mapping[Stimulus, Why]] = MappingProxyType(
+    {
+        Stimulus.ENGINE_ABORT: Why(Reason.ABORTED, "aborted by its engine"),
+        Stimulus.ENGINE_RELEASE: Why(Reason.ABORTED, "released before done"),
+        Stimulus.PEER_CANCEL: Why(
+            Reason.CANCELLED_BY_PEER, "the decode side cancelled the request"
+        ),
+        Stimulus.DEADLINE: Why(Reason.DEADLINE_EXCEEDED, "deadline passed"),
+        Stimulus.RESTART: Why(Reason.DAEMON_RESTART, "daemon restarted"),
+    }
+)
+
+_PENDING_WHY: Final[Mapping[Stimulus, Why]] = MappingProxyType(
+    {
+        Stimulus.PEER_CANCEL: Why(Reason.CANCELLED_BY_PEER, "cancelled"),
+        Stimulus.DEADLINE: Why(
+            Reason.DEADLINE_EXCEEDED, "the prefill engine never registered the request"
+        ),
+        Stimulus.RESTART: Why(
+            Reason.DAEMON_RESTART, "daemon restarted before the prefill engine registered"
+        ),
+    }
+)
+
+
+def react(
+    record: RequestRecord,
+    stimulus: Stimulus,
+    why: Why | None = None,
+    deadlines: Deadlines | Mapping[State, float] | None = None,
+) -> list[RequestEvent]:
+    """The events ``stimulus`` calls for on ``record`` (empty: nothing to journal)."""
+    reaction = REACTIONS[stimulus].get((record.role, record.state))
+    if reaction is None:
+        return []
+    if why is None:
+        why = DEFAULT_WHY.get(stimulus, Why())
+    if isinstance(deadlines, Deadlines) or deadlines is None:
+        deadlines = _seconds(deadlines or Deadlines())
+    return reaction(record, why, deadlines)
+
+
+def react_pending(
+    pending: PendingPeer, stimulus: Stimulus, why: Why | None = None
+) -> list[RequestEvent]:
+    """The events that end a pending registration (empty: it stays pending)."""
+    if stimulus not in PENDING_REACTIONS:
+        return []
+    why = why or _PENDING_WHY.get(stimulus, Why())
+    reg = pending.registration
+    return [Failed(reg.request_id, reg.incarnation, why.reason, why.message, settled=True)]
+
+
+def _seconds(deadlines: Deadlines) -> Mapping[State, float]:
+    return {state: deadlines.for_state(state) for state in State if state is not RELEASED}
