@@ -1,4 +1,4 @@
-"""Tests of the NIXL data plane (daemon/dataplane/plane.py): real NIXL, real /dev/shm, no mocks."""
+"""Tests of the NIXL data plane (daemon/dataplane/): real NIXL, real /dev/shm, no mocks."""
 
 from __future__ import annotations
 
@@ -16,15 +16,9 @@ import msgspec
 import numpy as np
 import pytest
 
+from daemon.dataplane.geometry import EngineGeometry, build_indices
 from daemon.dataplane.memory import SHM_ROOT, MappedRegion, create_shm_file, map_dram_region
-from daemon.dataplane.plane import (
-    DataPlane,
-    DataPlaneError,
-    EngineGeometry,
-    TransferError,
-    WriteResult,
-    build_indices,
-)
+from daemon.dataplane.plane import DataPlane, DataPlaneError, TransferError, WriteResult
 from schemas.events import Blocks
 from schemas.kvlayout import (
     EngineSpec,

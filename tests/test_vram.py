@@ -30,6 +30,12 @@ from hypothesis import strategies as st
 
 from daemon.client import BlockingEngineClient, RpcError
 from daemon.dataplane import vram
+from daemon.dataplane.geometry import (
+    NIXL_MEM,
+    check_remote_engine,
+    descriptor_rows,
+    local_remote_engine,
+)
 from daemon.dataplane.memory import (
     SHM_ROOT,
     MappedRegion,
@@ -37,14 +43,7 @@ from daemon.dataplane.memory import (
     create_shm_file,
     map_dram_region,
 )
-from daemon.dataplane.plane import (
-    NIXL_MEM,
-    DataPlaneError,
-    _check_remote_engine,
-    _local_remote_engine,
-    _Worker,
-    descriptor_rows,
-)
+from daemon.dataplane.plane import DataPlaneError
 from daemon.dataplane.vram import (
     HANDLE_VERSION,
     NO_CUDA,
@@ -56,9 +55,10 @@ from daemon.dataplane.vram import (
     open_vram_region,
     share_cuda_tensor,
 )
+from daemon.dataplane.worker import Worker
+from daemon.sim.launcher import Daemon
 from schemas.kvlayout import EngineSpec, GroupSpec, LayerSpec, MemoryKind, RegionSpec
 from schemas.layout import GroupKind
-from tests.daemons import Daemon, free_port
 
 
 def _has_cuda() -> bool:
@@ -334,7 +334,7 @@ def test_vram_engine_rows_carry_its_device_with_fake_region_without_cuda() -> No
         "l0": FakeVramRegion("l0", 64 * 4096, device=1, base=0x7000_0000),
         "l1": FakeVramRegion("l1", 64 * 4096, device=1, base=0x9000_0000),
     }
-    remote = _local_remote_engine(_vram_engine(regions), regions)
+    remote = local_remote_engine(_vram_engine(regions), regions)
     assert (remote.memory, remote.device) == (MemoryKind.VRAM, 1)
     assert NIXL_MEM[remote.memory] == "VRAM"
     rows = descriptor_rows(remote)
@@ -342,7 +342,7 @@ def test_vram_engine_rows_carry_its_device_with_fake_region_without_cuda() -> No
     assert set(rows[:, 2].tolist()) == {1}
     assert rows[0, 0] == 0x7000_0000 and rows[64, 0] == 0x9000_0000
     assert rows[1, 0] - rows[0, 0] == 4096
-    _check_remote_engine(remote)  # a peer accepts it
+    check_remote_engine(remote)  # a peer accepts it
 
 
 def test_vram_layout_errors_are_refused_with_fake_region_without_cuda(tmp_path: Path) -> None:
@@ -352,7 +352,7 @@ def test_vram_layout_errors_are_refused_with_fake_region_without_cuda(tmp_path: 
         "l1": FakeVramRegion("l1", size, device=1),
     }
     with pytest.raises(DataPlaneError, match="all VRAM on one device") as info:
-        _local_remote_engine(_vram_engine(two_gpus), two_gpus)
+        local_remote_engine(_vram_engine(two_gpus), two_gpus)
     assert info.value.code == "bad_layout"
 
     dram = create_shm_file(os.path.join(SHM_ROOT, f"kvpushd-test-vram-{uuid.uuid4().hex}"), size)
@@ -367,7 +367,7 @@ def test_vram_layout_errors_are_refused_with_fake_region_without_cuda(tmp_path: 
             ),
         )
         with pytest.raises(DataPlaneError, match="must all be DRAM or all VRAM"):
-            _local_remote_engine(spec, mixed)
+            local_remote_engine(spec, mixed)
     finally:
         mapped.close()
         os.unlink(dram.path)
@@ -377,29 +377,27 @@ def test_vram_layout_errors_are_refused_with_fake_region_without_cuda(tmp_path: 
         _vram_engine(lying), regions=(RegionSpec("l0", size, MemoryKind.DRAM),)
     )
     with pytest.raises(DataPlaneError, match="declared dram, opened as vram"):
-        _local_remote_engine(declared_dram, lying)
+        local_remote_engine(declared_dram, lying)
 
     small = {"l0": FakeVramRegion("l0", size - 1)}
     with pytest.raises(DataPlaneError, match="do not fit"):
-        _local_remote_engine(_vram_engine(small), small)
+        local_remote_engine(_vram_engine(small), small)
 
 
 def test_remote_engine_with_negative_device_is_refused_with_fake_region_without_cuda() -> None:
     regions = {"l0": FakeVramRegion("l0", 64 * 4096)}
-    remote = msgspec.structs.replace(
-        _local_remote_engine(_vram_engine(regions), regions), device=-1
-    )
+    remote = msgspec.structs.replace(local_remote_engine(_vram_engine(regions), regions), device=-1)
     with pytest.raises(DataPlaneError, match="unsupported memory") as info:
-        _check_remote_engine(remote)
+        check_remote_engine(remote)
     assert info.value.code == "bad_layout"
 
 
 def test_worker_registers_vram_with_its_device_with_fake_agent_without_cuda() -> None:
     regions = {"l0": FakeVramRegion("l0", 64 * 4096, device=2, base=0x5000_0000)}
-    remote = _local_remote_engine(_vram_engine(regions), regions)
+    remote = local_remote_engine(_vram_engine(regions), regions)
     loop = asyncio.new_event_loop()
     try:
-        worker = _Worker("w", "UCX", loop, 1e-4, None, lambda notifs: None)
+        worker = Worker("w", "UCX", loop, 1e-4, None, lambda notifs: None)
         agent = FakeAgent()
         worker.st.agent = agent
         worker.add_local(remote, list(regions.values()))
@@ -421,11 +419,9 @@ def test_worker_registers_vram_with_its_device_with_fake_agent_without_cuda() ->
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    solo = Daemon("solo", tmp_path_factory.mktemp("vram"), free_port())
-    solo.start()
-    yield solo
-    assert solo.stop() == 0, solo.logs()
+def daemon(solo_daemon: Daemon) -> Daemon:
+    """This module's daemon, shared by its tests (it must exit 0 at the end)."""
+    return solo_daemon
 
 
 @pytest.fixture
