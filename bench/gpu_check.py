@@ -868,9 +868,7 @@ class Check:
         for daemon in self.daemons:
             if self.args.logs:
                 with contextlib.suppress(OSError):
-                    shutil.copy(
-                        daemon.log_path, Path(self.args.logs) / f"{daemon.node}.log"
-                    )
+                    shutil.copy(daemon.log_path, Path(self.args.logs) / f"{daemon.node}.log")
             if failed:
                 tail = daemon.logs().splitlines()[-25:]
                 print(f"--- last lines of the {daemon.node} daemon's log", *tail, sep="\n")
