@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from daemon.journal.replay import replay
+from daemon.postmortem import chart
 from daemon.postmortem import html as report
 from daemon.postmortem.analyse import analyse
 from daemon.postmortem.formatting import key_text
@@ -283,13 +284,13 @@ def test_anomaly_tables_link_to_timelines(chromium, page, expected, tmp_path):
         failed = [tuple(k) for k, _ in restart["failed"]]
         assert failed, "the planted restart failed requests in flight"
         for rid, inc in failed:
-            assert report.anchor((rid, inc)) in dom.ids
-            assert report.anchor((rid, inc)) in dom.links
+            assert chart.anchor((rid, inc)) in dom.ids
+            assert chart.anchor((rid, inc)) in dom.links
         assert len(dom.rows["restarts"]) == 1
         assert len(dom.rows["never-released"]) == len(expected["never_released"])
         assert len(dom.rows["refusals"]) == len(expected["refusals"])
         for stuck in expected["never_released"]:
-            assert report.anchor((stuck["request_id"], stuck["incarnation"])) in dom.links
+            assert chart.anchor((stuck["request_id"], stuck["incarnation"])) in dom.links
 
 
 def test_script_failure_is_shown(chromium, page, tmp_path):
@@ -312,18 +313,18 @@ def test_render_limits_and_escaping(journals):
     assert f"3 of {len(analysis.selected)} requests written out" in small
     # Anomalies come first among the timelines written out.
     first = analysis.never_released[0].key
-    assert f'id="{report.anchor(first)}"' in small
-    assert report.anchor(("a b<c>", 2)) == "req-a_20_b_3c_c_3e_-2"
+    assert f'id="{chart.anchor(first)}"' in small
+    assert chart.anchor(("a b<c>", 2)) == "req-a_20_b_3c_c_3e_-2"
     block = report._data_block({"x": "</script><script>alert(1)</script>"})
     assert "</script><script>" not in block.removesuffix("</script>")
 
 
 def test_chart_samples_many_requests_anomalies_first(journals, monkeypatch):
-    monkeypatch.setattr(report, "MAX_BARS", 8)
+    monkeypatch.setattr(chart, "MAX_BARS", 8)
     analysis = analyse(merge(load([journals["prefill"], journals["decode"]])))
-    anomalous = report.anomalous_requests(analysis)
+    anomalous = chart.anomalous_requests(analysis)
     assert len(anomalous) >= 3
-    data = report.chart_data(analysis, set(), anomalous[:3])
+    data = chart.chart_data(analysis, set(), anomalous[:3])
     drawn = {bar[4] for bar in data["bars"]}
     assert data["sampled"] and len(drawn) == 8
     assert {key_text(analysis.merged.keys[r]) for r in anomalous[:3]} <= drawn
