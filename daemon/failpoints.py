@@ -91,10 +91,10 @@ POINTS: Final[Mapping[str, Point]] = MappingProxyType(
             io=False,
         ),
         "nixl.post": Point(
-            "dataplane _Worker._post: before make_prepped_xfer (nothing posted)", io=True
+            "dataplane Worker._post (worker.py): before make_prepped_xfer (nothing posted)", io=True
         ),
         "nixl.posted": Point(
-            "dataplane _Worker._post: transfer() returned; the WRITE and its "
+            "dataplane Worker._post (worker.py): transfer() returned; the WRITE and its "
             "notification are posted, maybe complete",
             io=True,
         ),

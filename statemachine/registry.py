@@ -30,11 +30,8 @@ from schemas.events import (
     Event,
     Failed,
     PeerRegistered,
-    PeerSettled,
     Refused,
     Registered,
-    Released,
-    ReleaseDeferred,
     RequestEvent,
     Trimmed,
 )
@@ -48,9 +45,10 @@ from schemas.state import (
     State,
 )
 from statemachine.errors import IllegalTransition, Refusal
+from statemachine.reactions import Stimulus, Why, react, react_pending
 from statemachine.tombstones import Tombstones
-from statemachine.transitions import STEPS, deadline_seconds, is_quarantined
 from statemachine.transitions import apply as apply_transition
+from statemachine.transitions import deadline_seconds
 from statemachine.trim import apply_prefix_caching, to_kernel_blocks
 
 DEFAULT_TOMBSTONE_LIMIT = 100_000
@@ -113,43 +111,37 @@ def _check_expansion_fits(
             )
 
 
-def _blocks_fit(layout: EngineLayout, blocks: Blocks) -> bool:
-    """True exactly when :func:`_check_blocks` would pass: the fold's fast path.
+def check_blocks(layout: EngineLayout, blocks: Blocks, what: str) -> None:
+    """Kernel block ids per group: one list per group, each id in range, none twice.
 
-    Replay checks every registration again; building the refusal's text and
-    numbering the groups only pays off for the rare list that is refused.
+    The one block check, for live registrations and for replay alike. Replay
+    runs it on every registration again, so the text of a refusal is only
+    built for a list that is refused.
     """
     groups = layout.groups
     if len(blocks) != len(groups):
-        return False
-    for group, ids in zip(groups, blocks, strict=True):
-        if ids:
-            ordered = sorted(ids)  # one call for both ends: cheaper than min() and max()
-            if ordered[0] < 0 or ordered[-1] >= group.num_blocks or len(set(ids)) != len(ids):
-                return False
-    return True
-
-
-def _check_blocks(layout: EngineLayout, blocks: Blocks, what: str) -> None:
-    if len(blocks) != len(layout.groups):
         raise Refusal(
             Reason.GROUP_COUNT_MISMATCH,
-            f"{what} lists {len(blocks)} groups, engine {layout.engine_id} has "
-            f"{len(layout.groups)}",
+            f"{what} lists {len(blocks)} groups, engine {layout.engine_id} has {len(groups)}",
         )
-    for g, (group, ids) in enumerate(zip(layout.groups, blocks, strict=True)):
+    for group, ids in zip(groups, blocks, strict=True):
         if not ids:
             continue
-        lo, hi = min(ids), max(ids)
-        if lo < 0 or hi >= group.num_blocks:
-            bad = lo if lo < 0 else hi
-            raise Refusal(
-                Reason.BLOCK_OUT_OF_RANGE,
-                f"{what}: group {g} block {bad} is outside engine {layout.engine_id}'s "
-                f"range 0..{group.num_blocks - 1}",
-            )
-        if len(set(ids)) != len(ids):
-            raise Refusal(Reason.DUPLICATE_BLOCK, f"{what}: group {g} lists a block twice")
+        ordered = sorted(ids)  # one call for both ends: cheaper than min() and max()
+        if ordered[0] < 0 or ordered[-1] >= group.num_blocks or len(set(ids)) != len(ids):
+            _refuse_blocks(layout, blocks.index(ids), ordered, what)
+
+
+def _refuse_blocks(layout: EngineLayout, g: int, ordered: list[int], what: str) -> None:
+    group = layout.groups[g]
+    lo, hi = ordered[0], ordered[-1]
+    if lo < 0 or hi >= group.num_blocks:
+        raise Refusal(
+            Reason.BLOCK_OUT_OF_RANGE,
+            f"{what}: group {g} block {lo if lo < 0 else hi} is outside engine "
+            f"{layout.engine_id}'s range 0..{group.num_blocks - 1}",
+        )
+    raise Refusal(Reason.DUPLICATE_BLOCK, f"{what}: group {g} lists a block twice")
 
 
 class Registry:
@@ -298,11 +290,32 @@ class Registry:
         if any(lid < 0 for ids in logical_blocks for lid in ids):
             raise Refusal(Reason.BLOCK_OUT_OF_RANGE, f"request {request_id}: negative block id")
         _check_expansion_fits(layout, logical_blocks, request_id)
-        blocks = expand_blocks(layout, logical_blocks)
-        _check_blocks(layout, blocks, f"request {request_id}")
+        event = Registered(
+            request_id, incarnation, role, engine_id, peer, expand_blocks(layout, logical_blocks)
+        )
+        self._check_registered(event)
+        return event
+
+    def _check_registered(self, event: Registered) -> PendingPeer | None:
+        """The checks of a registration in kernel blocks, live and in replay alike.
+
+        Returns the pending receiver registration it joins, if any. Each
+        ``_check_*`` call runs only when a cheap test found something to
+        refuse: replay runs this on every registration.
+        """
+        rid, inc, role, engine_id = event.request_id, event.incarnation, event.role, event.engine_id
+        layout = self.engines.get(engine_id)
+        if layout is None:
+            layout = self._engine(engine_id)
+        if rid in self.live or self.tombstones.covers(rid, inc):
+            self._check_new_key(rid, inc)
+        pending = self.pending.get(rid)
+        if pending is not None:
+            self._check_pending(rid, inc, role)
+        check_blocks(layout, event.blocks, f"request {rid}")
         if role is RECEIVER:
-            self._check_unowned(engine_id, blocks, request_id)
-        return Registered(request_id, incarnation, role, engine_id, peer, blocks)
+            self._check_unowned(engine_id, event.blocks, rid)
+        return pending
 
     def check_peer_registration(
         self,
@@ -370,47 +383,24 @@ class Registry:
             dst_before=tuple(len(ids) for ids in record.remote_blocks),
         )
 
+    # The rules below are the reactions table's (statemachine/reactions.py);
+    # these look the request up first, as the engine's calls do.
+
     def plan_abort(
         self, request_id: str, incarnation: int, reason: Reason, message: str
     ) -> list[RequestEvent]:
-        """Events that end a live request early (engine abort, peer cancel)."""
+        """Events that end a live request early (engine abort)."""
         record = self.lookup(request_id, incarnation)
-        if record.state in (DONE, FAILED):
-            return []
-        if record.role is PUSHER and record.state is WRITING:
-            # The write cannot be recalled; it ends as done or failed and the
-            # receiver learns which. The abort becomes a deferred release.
-            return [] if record.release_pending else [ReleaseDeferred(request_id, incarnation)]
-        return [Failed(request_id, incarnation, reason, message)]
+        return react(record, Stimulus.ENGINE_ABORT, Why(reason, message), self._seconds)
 
     def plan_release(self, request_id: str, incarnation: int) -> list[RequestEvent]:
         """Events for an engine's release: honoured, or deferred while quarantined."""
         record = self.lookup(request_id, incarnation)
-        events: list[RequestEvent] = []
-        if record.state in (REGISTERED, TRIMMED) or (
-            record.role is RECEIVER and record.state is WRITING
-        ):
-            # Releasing before done gives the request up; preview the failure
-            # to decide whether the release itself must wait.
-            failed = Failed(request_id, incarnation, Reason.ABORTED, "released before done")
-            events.append(failed)
-            record = apply_transition(record, failed, record.entered_at, self._seconds)
-        if not is_quarantined(record):
-            events.append(Released(request_id, incarnation))
-        elif not record.release_pending:
-            events.append(ReleaseDeferred(request_id, incarnation))
-        return events
+        return react(record, Stimulus.ENGINE_RELEASE, None, self._seconds)
 
     def follow_up(self, record: RequestRecord) -> list[RequestEvent]:
         """A deferred release becomes due once the quarantine lifts."""
-        if (
-            record.release_pending
-            and record.state is not RELEASED
-            and record.state in (DONE, FAILED)
-            and not is_quarantined(record)
-        ):
-            return [Released(record.request_id, record.incarnation)]
-        return []
+        return react(record, Stimulus.QUARANTINE_LIFTED, None, self._seconds)
 
     def on_deadline(self, due: RequestRecord | PendingPeer) -> RequestEvent:
         """The event that moves an expired request on towards ``released``.
@@ -420,22 +410,8 @@ class Registry:
         its link and its NIXL metadata) before ``PeerSettled(fenced=True)``.
         """
         if isinstance(due, PendingPeer):
-            reg = due.registration
-            return Failed(
-                reg.request_id,
-                reg.incarnation,
-                Reason.DEADLINE_EXCEEDED,
-                "the prefill engine never registered the request",
-                settled=True,
-            )
-        rid, inc = due.request_id, due.incarnation
-        if due.state in (REGISTERED, TRIMMED, WRITING):
-            return Failed(
-                rid, inc, Reason.DEADLINE_EXCEEDED, f"deadline passed in state {due.state.value}"
-            )
-        if is_quarantined(due):
-            return PeerSettled(rid, inc, fenced=True)
-        return Released(rid, inc)
+            return react_pending(due, Stimulus.DEADLINE)[0]
+        return react(due, Stimulus.DEADLINE, None, self._seconds)[0]
 
     # ------------------------------------------------------------------- fold
 
@@ -450,68 +426,35 @@ class Registry:
         handler = _HANDLERS.get(kind)
         if handler is not None:
             return handler(self, event, ts)
-        live = self.live
         rid = event.request_id  # type: ignore[union-attr]
-        record = live.get(rid)
+        record = self.live.get(rid)
         if record is None:
             if isinstance(event, Failed) and rid in self.pending:
                 return self._fail_pending(event)  # type: ignore[arg-type]
             self.lookup(rid, event.incarnation)  # type: ignore[union-attr]
             raise AssertionError("unreachable: lookup raises for a missing record")
-        # transitions.apply, inlined for the fold (one call fewer per event):
-        # the table's step for this record, and the setter that makes the new
-        # record. Whatever the step refuses goes through transitions.apply,
-        # which raises the refusal with its message.
-        state = record.state
-        step = STEPS.get((record.role, state, kind))
-        if step is None or event.incarnation != record.incarnation:  # type: ignore[union-attr]
-            apply_transition(record, event, ts, self._seconds)  # type: ignore[arg-type]
-            raise AssertionError("unreachable: transitions.apply refuses this step")
-        nxt, guard, setter, terminal = step
-        if guard is not None and guard(record) is not None:
-            apply_transition(record, event, ts, self._seconds)  # type: ignore[arg-type]
-            raise AssertionError("unreachable: transitions.apply refuses this step")
-        if nxt is state:
-            new = setter(record, event, state, record.entered_at, record.deadline)
-        elif terminal:  # released
-            new = setter(record, event, nxt, ts, ts)
+        new = apply_transition(record, event, ts, self._seconds)  # type: ignore[arg-type]
+        if new.state is RELEASED:
             self._drop(new)
-            return new
         else:
-            new = setter(record, event, nxt, ts, ts + self._seconds[nxt])
-        live[rid] = new
+            self.live[rid] = new
         return new
 
     def _apply_registered(self, event: Registered, ts: float) -> RequestRecord:
-        # The checks of check_register, in the same order; each check_* call
-        # below runs only when the inline test found something to refuse.
-        rid, inc, role, engine_id = event.request_id, event.incarnation, event.role, event.engine_id
-        layout = self.engines.get(engine_id)
-        if layout is None:
-            self._engine(engine_id)
-        live = self.live
-        if rid in live or self.tombstones.covers(rid, inc):
-            self._check_new_key(rid, inc)
-        pending = self.pending.get(rid)
-        if pending is not None:
-            self._check_pending(rid, inc, role)
-        blocks = event.blocks
-        if not _blocks_fit(layout, blocks):  # type: ignore[arg-type]
-            _check_blocks(layout, blocks, f"request {rid}")  # type: ignore[arg-type]
-            raise AssertionError("unreachable: _check_blocks raises where _blocks_fit fails")
+        pending = self._check_registered(event)
+        rid, inc = event.request_id, event.incarnation
         record = RequestRecord(
-            rid, inc, role, engine_id, event.peer, REGISTERED, blocks, ts,
+            rid, inc, event.role, event.engine_id, event.peer, REGISTERED, event.blocks, ts,
             ts + self.deadlines.registered,
         )  # fmt: skip
-        if role is RECEIVER:
-            self._check_unowned(engine_id, blocks, rid)
+        if event.role is RECEIVER:
             self._claim(record)
         elif pending is not None:
             reg = pending.registration
             if reg.incarnation == inc:
                 del self.pending[rid]
                 record = apply_transition(record, reg, ts, self._seconds)
-        live[rid] = record
+        self.live[rid] = record
         return record
 
     def _apply_peer_registered(self, event: PeerRegistered, ts: float) -> RequestRecord | None:

@@ -1,0 +1,205 @@
+"""The reactions table (statemachine/reactions.py), row by row, as a table.
+
+Each row: a stimulus, a record's role, state and flags, and the event kinds
+the core must call for. A row that is not in REACTIONS must call for nothing;
+a test below checks that every (stimulus, role, state) is covered here, so a
+new cell in the table cannot go unpinned.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from schemas.events import (
+    Failed,
+    PeerRegistered,
+    PeerSettled,
+    Released,
+    ReleaseDeferred,
+    WriteDone,
+    WriteStarted,
+)
+from schemas.layout import Role
+from schemas.reasons import Reason
+from schemas.state import Deadlines, PendingPeer, RequestRecord, State
+from statemachine.reactions import (
+    REACTIONS,
+    Cause,
+    Stimulus,
+    Why,
+    awaiting_data,
+    react,
+    react_pending,
+)
+from statemachine.transitions import apply, deadline_seconds
+
+P, R = Role.PUSHER, Role.RECEIVER
+REG, TRIM, WRI, DONE, FAIL = (
+    State.REGISTERED,
+    State.TRIMMED,
+    State.WRITING,
+    State.DONE,
+    State.FAILED,
+)
+S = Stimulus
+
+
+def record(role: Role, state: State, **flags: object) -> RequestRecord:
+    return RequestRecord(
+        "r",
+        1,
+        role,
+        "e",
+        "peer",
+        state,
+        ((1, 2),),
+        0.0,
+        10.0,
+        **flags,  # type: ignore[arg-type]
+    )
+
+
+# fmt: off
+ROWS = [
+    # stimulus            role state flags                         -> event kinds
+    (S.ENGINE_ABORT,      P, REG,  {},                            [Failed]),
+    (S.ENGINE_ABORT,      P, TRIM, {},                            [Failed]),
+    (S.ENGINE_ABORT,      P, WRI,  {},                            [ReleaseDeferred]),
+    (S.ENGINE_ABORT,      P, WRI,  {"release_pending": True},     []),
+    (S.ENGINE_ABORT,      P, DONE, {},                            []),
+    (S.ENGINE_ABORT,      R, REG,  {},                            [Failed]),
+    (S.ENGINE_ABORT,      R, WRI,  {},                            [Failed]),
+    (S.ENGINE_ABORT,      R, FAIL, {},                            []),
+    (S.ENGINE_RELEASE,    P, REG,  {},                            [Failed, Released]),
+    (S.ENGINE_RELEASE,    P, TRIM, {},                            [Failed, Released]),
+    (S.ENGINE_RELEASE,    P, WRI,  {},                            [ReleaseDeferred]),
+    (S.ENGINE_RELEASE,    P, WRI,  {"release_pending": True},     []),
+    (S.ENGINE_RELEASE,    P, DONE, {},                            [Released]),
+    (S.ENGINE_RELEASE,    P, FAIL, {},                            [Released]),
+    (S.ENGINE_RELEASE,    R, REG,  {},                            [Failed, ReleaseDeferred]),
+    (S.ENGINE_RELEASE,    R, WRI,  {},                            [Failed, ReleaseDeferred]),
+    (S.ENGINE_RELEASE,    R, DONE, {"settled": True},             [Released]),
+    (S.ENGINE_RELEASE,    R, FAIL, {},                            [ReleaseDeferred]),
+    (S.ENGINE_RELEASE,    R, FAIL, {"settled": True},             [Released]),
+    (S.DATA_LANDED,       R, REG,  {},                            [WriteDone]),
+    (S.DATA_LANDED,       R, WRI,  {},                            [WriteDone]),
+    (S.DATA_LANDED,       R, FAIL, {},                            []),
+    (S.DATA_LANDED,       P, WRI,  {},                            []),
+    (S.PEER_WRITE_DONE,   R, REG,  {},                            [WriteDone]),
+    (S.PEER_WRITE_DONE,   R, WRI,  {},                            [WriteDone]),
+    (S.PEER_WRITE_DONE,   R, FAIL, {},                            [PeerSettled]),
+    (S.PEER_WRITE_DONE,   R, FAIL, {"settled": True},             []),
+    (S.PEER_WRITING,      R, REG,  {},                            [WriteStarted]),
+    (S.PEER_WRITING,      R, WRI,  {},                            []),
+    (S.PEER_WRITE_FAILED, R, REG,  {},                            [Failed]),
+    (S.PEER_WRITE_FAILED, R, WRI,  {},                            [Failed]),
+    (S.PEER_WRITE_FAILED, R, FAIL, {},                            [PeerSettled]),
+    (S.PEER_CANCEL,       P, REG,  {},                            [Failed]),
+    (S.PEER_CANCEL,       P, TRIM, {},                            [Failed]),
+    (S.PEER_CANCEL,       P, WRI,  {},                            []),
+    (S.PEER_CANCEL,       P, DONE, {},                            []),
+    (S.PEER_DEAD,         P, REG,  {},                            [Failed]),
+    (S.PEER_DEAD,         P, TRIM, {},                            [Failed]),
+    (S.PEER_DEAD,         P, WRI,  {},                            []),
+    (S.PEER_DEAD,         R, REG,  {},                            [Failed]),
+    (S.PEER_DEAD,         R, WRI,  {},                            [Failed]),
+    (S.PEER_DEAD,         R, FAIL, {},                            [PeerSettled]),
+    (S.PEER_DEAD,         R, FAIL, {"settled": True},             []),
+    (S.DEADLINE,          P, REG,  {},                            [Failed]),
+    (S.DEADLINE,          P, TRIM, {},                            [Failed]),
+    (S.DEADLINE,          P, WRI,  {},                            [Failed]),
+    (S.DEADLINE,          P, DONE, {},                            [Released]),
+    (S.DEADLINE,          P, FAIL, {},                            [Released]),
+    (S.DEADLINE,          R, REG,  {},                            [Failed]),
+    (S.DEADLINE,          R, WRI,  {},                            [Failed]),
+    (S.DEADLINE,          R, DONE, {"settled": True},             [Released]),
+    (S.DEADLINE,          R, FAIL, {},                            [PeerSettled]),
+    (S.DEADLINE,          R, FAIL, {"settled": True},             [Released]),
+    (S.RESTART,           P, REG,  {},                            [Failed]),
+    (S.RESTART,           P, TRIM, {},                            [Failed]),
+    (S.RESTART,           P, WRI,  {},                            [Failed]),
+    (S.RESTART,           P, DONE, {},                            []),
+    (S.RESTART,           R, REG,  {},                            [Failed]),
+    (S.RESTART,           R, WRI,  {},                            [Failed]),
+    (S.RESTART,           R, FAIL, {},                            []),
+    (S.QUARANTINE_LIFTED, P, DONE, {"release_pending": True},     [Released]),
+    (S.QUARANTINE_LIFTED, P, DONE, {},                            []),
+    (S.QUARANTINE_LIFTED, P, FAIL, {"release_pending": True},     [Released]),
+    (S.QUARANTINE_LIFTED, R, FAIL, {"release_pending": True},     []),
+    (S.QUARANTINE_LIFTED, R, FAIL, {"release_pending": True,
+                                    "settled": True},             [Released]),
+    (S.QUARANTINE_LIFTED, R, DONE, {"release_pending": True,
+                                    "settled": True},             [Released]),
+    (S.WRITE_COMPLETED,   P, WRI,  {},                            [WriteDone]),
+    (S.WRITE_COMPLETED,   P, FAIL, {},                            []),
+    (S.FAILURE,           P, REG,  {},                            [Failed]),
+    (S.FAILURE,           P, TRIM, {},                            [Failed]),
+    (S.FAILURE,           P, WRI,  {},                            [Failed]),
+    (S.FAILURE,           P, DONE, {},                            []),
+    (S.FAILURE,           R, REG,  {},                            [Failed]),
+    (S.FAILURE,           R, WRI,  {},                            [Failed]),
+]
+# fmt: on
+
+
+@pytest.mark.parametrize(("stimulus", "role", "state", "flags", "kinds"), ROWS)
+def test_each_row_calls_for_exactly_its_events(stimulus, role, state, flags, kinds):
+    events = react(record(role, state, **flags), stimulus)
+    assert [type(e) for e in events] == kinds
+
+
+@pytest.mark.parametrize(("stimulus", "role", "state", "flags", "kinds"), ROWS)
+def test_every_event_called_for_is_legal_in_turn(stimulus, role, state, flags, kinds):
+    # The reactions never ask the transition table for something it refuses.
+    r = record(role, state, **flags)
+    seconds = deadline_seconds(Deadlines())
+    for event in react(r, stimulus):
+        r = apply(r, event, 1.0, seconds)
+
+
+def test_every_cell_of_the_table_is_pinned_by_a_row():
+    pinned = {(s, role, state) for s, role, state, _, _ in ROWS}
+    cells = {(s, role, state) for s, row in REACTIONS.items() for role, state in row}
+    assert cells <= pinned, sorted(map(str, cells - pinned))
+
+
+def test_cells_outside_the_table_call_for_nothing():
+    for stimulus, role, state in itertools.product(Stimulus, Role, State):
+        if (role, state) in REACTIONS[stimulus] or state is State.RELEASED:
+            continue
+        assert react(record(role, state), stimulus) == [], (stimulus, role, state)
+
+
+def test_the_failure_carries_the_stimulus_words_or_the_callers():
+    (failed,) = react(record(P, REG), S.DEADLINE)
+    assert failed.reason is Reason.DEADLINE_EXCEEDED
+    assert failed.message == "deadline passed in state registered"
+    (failed,) = react(record(R, WRI), S.PEER_WRITE_FAILED, Why(Reason.TRANSFER_ERROR, "x"))
+    assert (failed.reason, failed.message, failed.settled) == (Reason.TRANSFER_ERROR, "x", True)
+    (settled,) = react(record(R, FAIL), S.PEER_DEAD)
+    assert settled.fenced is True
+    (settled,) = react(record(R, FAIL), S.PEER_WRITE_DONE)
+    assert settled.fenced is False
+
+
+def test_a_pending_registration_ends_only_by_cancel_death_deadline_or_restart():
+    pending = PendingPeer(PeerRegistered("r", 1, "peer", "d", ((1,),), 1), 0.0)
+    for stimulus in Stimulus:
+        events = react_pending(pending, stimulus)
+        if stimulus in (S.PEER_CANCEL, S.PEER_DEAD, S.DEADLINE, S.RESTART):
+            assert [type(e) for e in events] == [Failed]
+            assert events[0].settled
+        else:
+            assert events == []
+
+
+def test_each_stimulus_has_a_cause():
+    assert {s.cause for s in Stimulus} == set(Cause)
+
+
+def test_awaiting_data_is_a_receiver_before_its_data():
+    assert awaiting_data(record(R, REG)) and awaiting_data(record(R, WRI))
+    assert not awaiting_data(record(R, DONE)) and not awaiting_data(record(R, FAIL))
+    assert not awaiting_data(record(P, REG))
