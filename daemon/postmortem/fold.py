@@ -245,7 +245,7 @@ KeepDetails = Callable[[RequestKey], bool]
 
 
 def no_request(key: RequestKey) -> bool:
-    """A ``details`` policy for :func:`load` when no timeline will be drawn."""
+    """A ``details`` policy for :func:`daemon.postmortem.load.load` when no timeline is drawn."""
     return False
 
 
