@@ -1,10 +1,10 @@
 """Injected faults: a failing disk, a peer killed mid-write, a peer frozen past its TTL.
 
-Each test runs two real daemons with simulated engines (the harness of
-tests/test_crash.py) and ends with the same checks as a crash round: every
-acknowledgement an engine received is in its daemon's journal, the journals
-replay, every request was released, and no engine byte changed where none
-may.
+Each test runs two real daemons with simulated engines (the crash rounds'
+harness, daemon/sim/crashrounds.py) and ends with the same checks as a crash
+round: every acknowledgement an engine received is in its daemon's journal,
+the journals replay, every request was released, and no engine byte changed
+where none may.
 
 * A failed fdatasync or a full disk is fatal (DESIGN: exit and replay, never
   retry): the daemon exits with status 3 and says why in one line, whether
@@ -35,12 +35,7 @@ import pytest
 
 from daemon.client import RpcError
 from daemon.journal.replay import replay
-from daemon.sim.engine import Expectation, tail_pairs
-from schemas import rpc
-from schemas.events import Record
-from schemas.reasons import Reason
-from tests.daemons import Daemon
-from tests.test_crash import (
+from daemon.sim.crashrounds import (
     DECODE,
     LAYOUT,
     PREFILL,
@@ -48,8 +43,13 @@ from tests.test_crash import (
     CrashPair,
     log_trouble,
 )
+from daemon.sim.engine import Expectation, tail_pairs
+from daemon.sim.launcher import TEST_TIMING, Daemon
+from schemas import rpc
+from schemas.events import Record
+from schemas.reasons import Reason
 
-PEER_TTL_S: Final = 3.0  # tests/daemons.py
+PEER_TTL_S: Final = TEST_TIMING.peer_ttl_s
 EXIT_JOURNAL_FATAL: Final = 3  # daemon/service.py
 
 
