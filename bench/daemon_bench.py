@@ -29,10 +29,10 @@ from bench.results import write_section
 from daemon.client import EngineClient
 from daemon.dataplane.memory import create_shm_file
 from daemon.journal.stats import percentile
+from daemon.sim.launcher import Daemon, cpu_seconds, daemon_pair
 from schemas import rpc
 from schemas.kvlayout import GroupSpec, LayerSpec
 from schemas.layout import GroupKind, Role
-from tests.daemons import Daemon, cpu_seconds, daemon_pair
 
 KIB = 1024
 

@@ -614,7 +614,7 @@ class Check:
     # ---- setup
 
     def start(self) -> None:
-        from tests.daemons import daemon_pair
+        from daemon.sim.launcher import daemon_pair
 
         prefill, decode = daemon_pair(self.workdir)
         self.daemons = [prefill, decode]

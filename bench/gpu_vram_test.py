@@ -16,8 +16,8 @@ import pytest
 
 from daemon.dataplane.memory import RegionError
 from daemon.dataplane.vram import decode_handle, open_vram_region, share_cuda_tensor
+from daemon.sim.cudaipc import MIB, fake_spec
 from schemas.kvlayout import MemoryKind, RegionSpec
-from tests.test_vram import MIB, fake_spec
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():

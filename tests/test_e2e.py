@@ -14,7 +14,6 @@ import socket
 import struct
 import time
 import uuid
-from collections.abc import Iterator
 
 import msgspec
 import numpy as np
@@ -26,11 +25,11 @@ from daemon.framing import FrameEncoder, frame_bytes
 from daemon.journal.replay import replay
 from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
 from daemon.sim.kvpattern import changed_blocks, snapshot
+from daemon.sim.launcher import Daemon, cpu_seconds, daemon_pair
 from schemas import rpc
 from schemas.events import Failed, Refused, WriteStarted
 from schemas.kvlayout import GroupSpec, LayerSpec
 from schemas.layout import GroupKind, Role
-from tests.daemons import Daemon, cpu_seconds, daemon_pair, status
 
 LAYOUT = [
     SimGroup(num_blocks=640, block_bytes=4096, layers=2),
@@ -39,15 +38,9 @@ LAYOUT = [
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, Daemon]]:
-    prefill, decode = daemon_pair(tmp_path_factory.mktemp("pair"))
-    prefill.start()
-    decode.start()
-    decode.wait_peer("prefill")
-    prefill.wait_peer("decode")
-    yield prefill, decode
-    assert prefill.stop() == 0, prefill.logs()
-    assert decode.stop() == 0, decode.logs()
+def pair(peered_pair: tuple[Daemon, Daemon]) -> tuple[Daemon, Daemon]:
+    """This module's two daemons, shared by its tests (both must exit 0 at the end)."""
+    return peered_pair
 
 
 def _uid() -> str:
@@ -254,10 +247,10 @@ async def test_prefill_release_during_write_is_deferred(pair):
         try:
             await pe.kv_ready("defer")
             for _ in range(100):
-                if status(prefill.socket)["by_state"].get("writing"):
+                if prefill.status()["by_state"].get("writing"):
                     break
                 await asyncio.sleep(0.01)
-            assert status(prefill.socket)["by_state"].get("writing") == 1
+            assert prefill.status()["by_state"].get("writing") == 1
             reply = await pe.client.release("defer", 1)
             assert isinstance(reply, rpc.Deferred)
         finally:
@@ -349,7 +342,7 @@ def _reply(s: socket.socket):
 
 def test_bad_frames_get_errors_and_the_daemon_keeps_serving(pair):
     prefill, _ = pair
-    before = status(prefill.socket)
+    before = prefill.status()
     with _raw(prefill.socket) as s:
         s.sendall(frame_bytes(b"\xc1\xc1garbage"))
         assert _reply(s).code == "bad_frame"
@@ -378,7 +371,7 @@ def test_bad_frames_get_errors_and_the_daemon_keeps_serving(pair):
         s.sendall(struct.pack(">I", 1 << 30))  # a 1 GiB frame: refused, connection closed
         assert _reply(s).code == "frame_too_large"
         assert s.recv(1) == b""
-    after = status(prefill.socket)
+    after = prefill.status()
     assert after["live"] == before["live"]
     # Undecodable input leaves no trace; the one refusal the core made (the
     # unknown request) is journaled, and nothing else.
@@ -450,7 +443,7 @@ async def test_a_release_made_while_the_engine_was_away_is_told_when_it_is_back(
     # meanwhile; nothing about it is live any more, so only a remembered
     # announcement can tell the engine, when it registers again, that its
     # blocks are free.
-    from tests.test_crash import CrashEngine
+    from daemon.sim.crashrounds import CrashEngine
 
     fast = "deadlines = { registered = 0.5, failed = 0.5 }"
     prefill, decode = daemon_pair(tmp_path, extra=fast)

@@ -22,12 +22,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.node.metrics import NodeMetrics
 from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
+from daemon.sim.launcher import Daemon, free_port
 from schemas import rpc
 from schemas.events import DaemonStarted, Failed, Released
 from schemas.layout import Role
 from schemas.reasons import Reason
 from schemas.state import RequestRecord, State
-from tests.daemons import Daemon, free_port
 
 LAYOUT = [
     SimGroup(num_blocks=256, block_bytes=4096, layers=2),

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemons import REPO, status
+from daemon.ops.status import fetch_status
+from tests.support import REPO
 
 
 def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 30):
@@ -97,7 +98,7 @@ def test_defaults_without_config_and_systemd_notify(tmp_path: Path):
         ready = next(m for m in messages if "READY=1" in m)
         assert "STATUS=" in ready and f"MAINPID={proc.pid}" in ready
         assert oct(sock_path.stat().st_mode & 0o777) == "0o660"
-        assert status(str(sock_path))["node"] == "solo"
+        assert fetch_status(str(sock_path))["node"] == "solo"
         assert (tmp_path / "state" / "solo").is_dir()  # the journal lives in StateDirectory
         # The watchdog is pinged from the event loop at half of WATCHDOG_USEC.
         later = _recv_all(sd, time.monotonic() + 1.0)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemons import REPO
+from tests.support import REPO
 
 UNIT = REPO / "systemd" / "kvpushd.service"
 

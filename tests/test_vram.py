@@ -56,6 +56,7 @@ from daemon.dataplane.vram import (
     share_cuda_tensor,
 )
 from daemon.dataplane.worker import Worker
+from daemon.sim.cudaipc import MIB, fake_handle, fake_spec
 from daemon.sim.launcher import Daemon
 from schemas.kvlayout import EngineSpec, GroupSpec, LayerSpec, MemoryKind, RegionSpec
 from schemas.layout import GroupKind
@@ -72,42 +73,9 @@ def _has_cuda() -> bool:
 HAS_CUDA = _has_cuda()
 without_cuda = pytest.mark.skipif(HAS_CUDA, reason="checks the refusal on machines without CUDA")
 
-MIB = 1 << 20
-
 
 # --------------------------------------------------------------------------
 # stand-ins
-
-
-def fake_handle(**changes: Any) -> CudaIpcHandle:
-    """A well-formed handle in torch's shape that names no real GPU memory."""
-    fields: dict[str, Any] = {
-        "version": HANDLE_VERSION,
-        "device": 0,
-        "mem_handle": b"\x02c" + bytes(64),  # torch's versioned cudaMalloc handle layout
-        "storage_bytes": 4 * MIB,
-        "storage_offset": 0,
-        "ref_counter": b"/torch_1234_5678_0",
-        "ref_counter_offset": 0,
-        "event_handle": bytes(64),
-        "event_sync_required": False,
-        "offset": MIB,
-        "nbytes": 2 * MIB,
-    }
-    return CudaIpcHandle(**(fields | changes))
-
-
-def fake_spec(handle: CudaIpcHandle | None = None, **changes: Any) -> RegionSpec:
-    """The VRAM RegionSpec an engine would send for ``handle`` (default: fake_handle())."""
-    handle = handle or fake_handle()
-    spec = RegionSpec(
-        "kv",
-        handle.nbytes,
-        MemoryKind.VRAM,
-        device=handle.device,
-        ipc_handle=encode_handle(handle),
-    )
-    return msgspec.structs.replace(spec, **changes)
 
 
 @dataclass

@@ -54,9 +54,9 @@ from pathlib import Path
 from typing import Final, TextIO, TypeVar
 
 from daemon.client import ClientError, EngineClient, RpcError
+from daemon.journal.format import JournalError
 from daemon.journal.replay import ReplayError, replay
 from daemon.journal.stats import JournalStats, percentile
-from daemon.journal.store import JournalError
 from daemon.ops.texttable import table
 from daemon.sim.engine import (
     SHM_DIR,

@@ -1,0 +1,18 @@
+"""The shared test harness (nothing here is a test).
+
+``fixtures``  real daemons as pytest fixtures (registered in tests/conftest.py)
+              and the clean-stop check they end with
+``journals``  reading and rewriting journal records, for tests that plant damage
+
+Real daemon processes, the simulated engines and the harnesses that tools
+share with tests (crash rounds, fuzzing, the load fleet, the lifecycle driver)
+live in the package, under daemon/sim/, so that bench/ and tools/ never import
+tests/. No test module imports another: what two of them share belongs here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Final
+
+REPO: Final = Path(__file__).resolve().parents[2]

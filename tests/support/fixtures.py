@@ -1,0 +1,33 @@
+"""Real daemons as fixtures: started, and checked to stop cleanly at the end."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from daemon.sim.launcher import Daemon, free_port, start_daemons, start_pair
+
+
+def stop_cleanly(*daemons: Daemon) -> None:
+    """SIGTERM every daemon, then check each exited 0 (its log says why not)."""
+    codes = [(daemon, daemon.stop()) for daemon in daemons]
+    for daemon, code in codes:
+        assert code == 0, daemon.logs()
+
+
+@pytest.fixture(scope="module")
+def peered_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, Daemon]]:
+    """A prefill and a decode daemon that see each other; both must exit 0 at the end."""
+    pair = start_pair(tmp_path_factory.mktemp("pair"))
+    yield pair
+    stop_cleanly(*pair)
+
+
+@pytest.fixture(scope="module")
+def solo_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One daemon named "solo", without peers; it must exit 0 at the end."""
+    workdir = tmp_path_factory.mktemp("solo")
+    (solo,) = start_daemons(lambda: [Daemon("solo", workdir, free_port())])
+    yield solo
+    stop_cleanly(solo)
