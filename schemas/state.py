@@ -26,7 +26,7 @@ class State(enum.StrEnum):
 class Deadlines(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Seconds a request may spend in each state before the shell acts.
 
-    Every live state has one, so every request ends (DESIGN invariant 7).
+    Every live state has one, so every request ends (ARCHITECTURE.md, invariant 7).
     """
 
     registered: float = 30.0

@@ -64,32 +64,31 @@ class Owed(NamedTuple):
 
 
 PENDING: Final = "pending"
-_ = None
 
 # fmt: off
 NOTICES: Final[Mapping[tuple[Role | str, type, Cause], Owed]] = MappingProxyType({
     # role       event          cause         -> engine told            peer told
-    (RECEIVER, Registered,    ENGINE):    Owed(_,                    Tell.FORWARD),
-    (RECEIVER, WriteDone,     DAEMON):    Owed(Tell.KV_ARRIVED,      _),
-    (RECEIVER, WriteDone,     PEER):      Owed(Tell.KV_ARRIVED,      _),
-    (RECEIVER, Failed,        ENGINE):    Owed(_,                    Tell.CANCEL),
-    (RECEIVER, Failed,        PEER):      Owed(Tell.REQUEST_FAILED,  _),
-    (RECEIVER, Failed,        PEER_DEAD): Owed(Tell.REQUEST_FAILED,  _),
+    (RECEIVER, Registered,    ENGINE):    Owed(None,                 Tell.FORWARD),
+    (RECEIVER, WriteDone,     DAEMON):    Owed(Tell.KV_ARRIVED,      None),
+    (RECEIVER, WriteDone,     PEER):      Owed(Tell.KV_ARRIVED,      None),
+    (RECEIVER, Failed,        ENGINE):    Owed(None,                 Tell.CANCEL),
+    (RECEIVER, Failed,        PEER):      Owed(Tell.REQUEST_FAILED,  None),
+    (RECEIVER, Failed,        PEER_DEAD): Owed(Tell.REQUEST_FAILED,  None),
     (RECEIVER, Failed,        DAEMON):    Owed(Tell.REQUEST_FAILED,  Tell.CANCEL),
-    (RECEIVER, Released,      DAEMON):    Owed(Tell.RELEASED,        _),
+    (RECEIVER, Released,      DAEMON):    Owed(Tell.RELEASED,        None),
 
-    (PUSHER,   WriteStarted,  DAEMON):    Owed(_,                    Tell.WRITING),
+    (PUSHER,   WriteStarted,  DAEMON):    Owed(None,                 Tell.WRITING),
     (PUSHER,   WriteDone,     DAEMON):    Owed(Tell.BLOCKS_FREEABLE, Tell.WRITE_DONE),
-    (PUSHER,   Failed,        ENGINE):    Owed(_,                    Tell.WRITE_FAILED),
+    (PUSHER,   Failed,        ENGINE):    Owed(None,                 Tell.WRITE_FAILED),
     (PUSHER,   Failed,        PEER):      Owed(Tell.REQUEST_FAILED,  Tell.WRITE_FAILED),
-    (PUSHER,   Failed,        PEER_DEAD): Owed(Tell.REQUEST_FAILED,  _),
+    (PUSHER,   Failed,        PEER_DEAD): Owed(Tell.REQUEST_FAILED,  None),
     (PUSHER,   Failed,        DAEMON):    Owed(Tell.REQUEST_FAILED,  Tell.WRITE_FAILED),
-    (PUSHER,   Released,      DAEMON):    Owed(Tell.RELEASED,        _),
+    (PUSHER,   Released,      DAEMON):    Owed(Tell.RELEASED,        None),
     # A receiver's forwarded registration refused here: its daemon must hear.
-    (PUSHER,   Refused,       PEER):      Owed(_,                    Tell.WRITE_FAILED),
+    (PUSHER,   Refused,       PEER):      Owed(None,                 Tell.WRITE_FAILED),
 
-    (PENDING,  Failed,        PEER):      Owed(_,                    Tell.WRITE_FAILED),
-    (PENDING,  Failed,        DAEMON):    Owed(_,                    Tell.WRITE_FAILED),
+    (PENDING,  Failed,        PEER):      Owed(None,                 Tell.WRITE_FAILED),
+    (PENDING,  Failed,        DAEMON):    Owed(None,                 Tell.WRITE_FAILED),
 })
 # fmt: on
 

@@ -5,7 +5,7 @@ what should happen, which either raises a :class:`Refusal` (nothing changed)
 or returns event bodies; the shell stamps and journals those events, then
 feeds each one to :meth:`Registry.apply`, the only method that mutates. Replay
 calls the same :meth:`apply` with the journaled events, so the live registry
-and the replayed one are built by the same code (DESIGN invariant 8).
+and the replayed one are built by the same code (ARCHITECTURE.md, invariant 8).
 
 Refusal rules enforced here:
 
@@ -20,7 +20,8 @@ Refusal rules enforced here:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from schemas.events import (
     Blocks,
@@ -430,7 +431,8 @@ class Registry:
         record = self.live.get(rid)
         if record is None:
             if isinstance(event, Failed) and rid in self.pending:
-                return self._fail_pending(event)  # type: ignore[arg-type]
+                self._fail_pending(event)
+                return None
             self.lookup(rid, event.incarnation)  # type: ignore[union-attr]
             raise AssertionError("unreachable: lookup raises for a missing record")
         new = apply_transition(record, event, ts, self._seconds)  # type: ignore[arg-type]
@@ -554,7 +556,7 @@ def fold(events: Iterable[tuple[Event, float]], registry: Registry | None = None
     return registry
 
 
-_HANDLERS = {
+_HANDLERS: dict[type, Callable[[Registry, Any, float], RequestRecord | None]] = {
     Registered: Registry._apply_registered,
     PeerRegistered: Registry._apply_peer_registered,
     EngineAttached: Registry._apply_attached,

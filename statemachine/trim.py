@@ -1,4 +1,4 @@
-"""Prefix-cache trim at kernel-block granularity (DESIGN.md, "Trim").
+"""Prefix-cache trim at kernel-block granularity (ARCHITECTURE.md, "Trim").
 
 The decode side registers only the blocks it still has to fill (its
 uncomputed suffix); the prefill side registers its whole sequence. Pairing
@@ -97,7 +97,7 @@ def apply_prefix_caching(
 
     Returns ``(decode, prefill)`` as new lists of lists with equal counts per
     group: ``prefill[g][i]`` is to be written into ``decode[g][i]``. Raises
-    :class:`TrimRefused` where DESIGN.md says refuse.
+    :class:`TrimRefused` where the trim rule says refuse.
     """
     n_groups = len(group_kinds)
     if len(decode) != n_groups or len(prefill) != n_groups:

@@ -6,8 +6,8 @@ round: every acknowledgement an engine received is in its daemon's journal,
 the journals replay, every request was released, and no engine byte changed
 where none may.
 
-* A failed fdatasync or a full disk is fatal (DESIGN: exit and replay, never
-  retry): the daemon exits with status 3 and says why in one line, whether
+* A failed fdatasync or a full disk is fatal (ARCHITECTURE.md, Journal: exit and
+  replay, never retry): the daemon exits with status 3 and says why in one line, whether
   the failure hit the group commit's sync thread, a write, or the loop's own
   synchronous path (a snapshot); after a restart the journal replays to the
   last durable record.

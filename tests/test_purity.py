@@ -1,7 +1,8 @@
 """The core stays pure: no I/O frameworks, no shell, no clocks, no randomness.
 
-DESIGN.md: "The core never imports asyncio, nixl, torch or the daemon. Time
-enters the core as a value inside events; the shell owns clocks and deadlines."
+ARCHITECTURE.md, Wings: the core imports only schemas and the standard library,
+never asyncio, nixl, torch or the daemon; time enters it as a value inside
+events, and the shell owns clocks and deadlines.
 """
 
 from __future__ import annotations

@@ -325,8 +325,9 @@ R, T, W, D, X, F = (
     State.RELEASED,
     State.FAILED,
 )
-# A golden copy of DESIGN.md's lifecycle: the exhaustive test above checks that
-# apply() follows TRANSITIONS; this one catches an accidental edit of the table.
+# A golden copy of the documented lifecycle (README, ARCHITECTURE.md): the exhaustive
+# test above checks that apply() follows TRANSITIONS; this one catches an accidental
+# edit of the table.
 DOCUMENTED = {
     (Role.PUSHER, R): {PeerRegistered: R, KvReady: R, Trimmed: T, Failed: F},
     (Role.PUSHER, T): {KvReady: T, WriteStarted: W, Failed: F},

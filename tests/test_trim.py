@@ -1,4 +1,4 @@
-"""Table-driven tests of the prefix-cache trim (DESIGN.md, "Trim")."""
+"""Table-driven tests of the prefix-cache trim (ARCHITECTURE.md, "Trim")."""
 
 from __future__ import annotations
 

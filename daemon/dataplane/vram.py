@@ -148,7 +148,7 @@ def share_cuda_tensor(tensor: torch.Tensor, *, name: str = "vram") -> RegionSpec
         ref_counter_offset=int(ref_counter_offset),
         event_handle=bytes(event_handle),
         event_sync_required=bool(event_sync_required),
-        offset=tensor.storage_offset() * tensor.element_size(),
+        offset=int(tensor.storage_offset()) * tensor.element_size(),
         nbytes=nbytes,
     )
     return RegionSpec(

@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Final
 
 import numpy as np
@@ -568,16 +569,16 @@ class Worker:
         steps += [(f"remote dlist {k}", d.release) for k, d in st.remote.items()]
         for agent_name in sorted({k[0] for k in st.remote}):
             steps.append(
-                (f"remote agent {agent_name}", lambda a=agent_name: st.agent.remove_remote_agent(a))
+                (f"remote agent {agent_name}", partial(st.agent.remove_remote_agent, agent_name))
             )
         steps += [
-            (f"windows {key}", lambda e=entry: self._close_windows(e))
+            (f"windows {key}", partial(self._close_windows, entry))
             for key, entry in st.windows.items()
         ]
         for engine_id, local in st.local.items():
             steps.append((f"local dlist {engine_id}", local.dlist.release))
             steps += [
-                (f"deregister {engine_id}", lambda r=r: st.agent.deregister_memory(r))
+                (f"deregister {engine_id}", partial(st.agent.deregister_memory, r))
                 for r in local.reg_dlists
             ]
         for what, step in steps:

@@ -124,10 +124,10 @@ class GroupCommit:
         # pass, in milliseconds, and a sync often takes less.
         try:
             self._journal.mark_durable(written)
-        except JournalFatal as exc:
+        except JournalFatal as failed:
             # The journal failed on the loop's own synchronous path (a
             # snapshot, policy "always") while this sync was in flight.
-            self._failed(exc)
+            self._failed(failed)
             return
         self._done(written, time.perf_counter() - started)
 

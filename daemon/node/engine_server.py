@@ -131,7 +131,7 @@ class EngineServer:
         self._server = await asyncio.start_unix_server(
             self._serve, path=str(self.path), limit=self.max_frame_bytes + 64
         )
-        # DESIGN: the socket is mode 0660; who may connect is the group's business.
+        # The socket is mode 0660; who may connect is the group's business.
         os.chmod(self.path, 0o660)
 
     def stop_accepting(self) -> None:

@@ -89,11 +89,11 @@ class Engines:
             kept: collections.deque[tuple[str, rpc.Released]] = collections.deque(
                 maxlen=self._unannounced.maxlen
             )
-            for owner, event in self._unannounced:
+            for owner, released in self._unannounced:
                 if owner == engine_id:
-                    self.tell_engine(engine_id, event)
+                    self.tell_engine(engine_id, released)
                 else:
-                    kept.append((owner, event))
+                    kept.append((owner, released))
             self._unannounced = kept
         for record in list(self.node.registry.live.values()):
             if record.engine_id == engine_id:

@@ -54,7 +54,7 @@ from schemas.state import RequestRecord, State
 log = structlog.get_logger("kvpushd.metrics")
 
 NAMESPACE = "kvpushd"
-LIVE_STATES = tuple(s for s in State if s is not State.RELEASED)
+LIVE_STATES: tuple[State, ...] = tuple(s for s in State if s is not State.RELEASED)
 
 # Loopback transfers of a few blocks take ~100 us; a stuck one ends at the
 # writing deadline (30 s by default).
