@@ -2,7 +2,7 @@
 
 Writes a prefill and a decode journal that together hold about a million
 events (``--events``), as two daemons would: every event goes through the
-core's check/plan methods and a Recorder, requests overlap 16 at a time, a
+core's check/plan methods and a Ledger, requests overlap 16 at a time, a
 few are refused, and the decode node's clock runs ``CLOCK_SKEW_S`` ahead.
 Then times ``kvpushd journal replay``'s work (fold every node through the
 core, merge, estimate clocks, analyse) and writes the section "Replay
@@ -33,7 +33,7 @@ from pathlib import Path
 from bench.results import write_section
 from daemon.journal.replay import replay
 from daemon.journal.writer import FsyncPolicy, Journal
-from daemon.node.recorder import Recorder
+from daemon.node.ledger import Ledger
 from daemon.postmortem.analyse import Analysis, analyse
 from daemon.postmortem.fold import no_request
 from daemon.postmortem.load import load
@@ -71,7 +71,7 @@ Scheduled = tuple[float, str, int, int, Maker]
 
 
 class _Clock:
-    """The Recorder's clock: the scheduled time of the event being recorded."""
+    """The Ledger's clock: the scheduled time of the event being recorded."""
 
     def __init__(self, skew: float) -> None:
         self.skew = skew
@@ -151,11 +151,11 @@ def write_pair(directory: Path, target_events: int) -> dict[str, Path]:
     ):
         registries = {PREFILL: Registry(), DECODE: Registry()}
         recorders = {
-            PREFILL: Recorder(pj, registries[PREFILL], node=PREFILL, clock=clocks[PREFILL]),
-            DECODE: Recorder(dj, registries[DECODE], node=DECODE, clock=clocks[DECODE]),
+            PREFILL: Ledger(pj, registries[PREFILL], node=PREFILL, clock=clocks[PREFILL]),
+            DECODE: Ledger(dj, registries[DECODE], node=DECODE, clock=clocks[DECODE]),
         }
-        recorders[PREFILL].record(registries[PREFILL].check_attach(P_LAYOUT))
-        recorders[DECODE].record(registries[DECODE].check_attach(D_LAYOUT))
+        recorders[PREFILL].append(registries[PREFILL].check_attach(P_LAYOUT))
+        recorders[DECODE].append(registries[DECODE].check_attach(D_LAYOUT))
         # Requests are generated a window at a time and merged by time, so
         # memory stays bounded and the nodes see them interleaved.
         pending: list[Scheduled] = []
@@ -169,7 +169,7 @@ def write_pair(directory: Path, target_events: int) -> dict[str, Path]:
                 for when, node, _, _, maker in due:
                     clocks[node].now = when
                     for event in maker(registries[node]):
-                        recorders[node].record(event)
+                        recorders[node].append(event)
     return paths
 
 

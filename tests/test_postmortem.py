@@ -562,7 +562,7 @@ def test_robust_midpoint_sets_aside_a_clock_step():
 
 def test_journal_with_a_snapshot(tmp_path):
     """Old segments pruned behind a snapshot: requests live at the snapshot carry on."""
-    from daemon.node.recorder import Recorder
+    from daemon.node.ledger import Ledger
     from daemon.sim.lifecycle import PREFILL, FakeClock, run_mix
     from schemas.events import KvReady, WriteDone, WriteStarted
     from schemas.layout import Role
@@ -571,19 +571,19 @@ def test_journal_with_a_snapshot(tmp_path):
     path = tmp_path / "journal"
     registry = Registry()
     with Journal.open(path, fsync=FsyncPolicy.NEVER, segment_bytes=4096) as journal:
-        rec = Recorder(journal, registry, node="prefill-a", clock=FakeClock())
+        rec = Ledger(journal, registry, node="prefill-a", clock=FakeClock())
         run_mix(rec, 30)
         for rid in ("carried", "stuck"):
             blocks = [[3000, 3001], [3000, 3001]]
-            rec.record(registry.check_register(rid, 1, Role.PUSHER, PREFILL.engine_id, "d", blocks))
-            rec.record(registry.check_peer_registration(rid, 1, "d", "decode-0", ((1,), (1,)), 1))
-            rec.record(KvReady(rid, 1))
+            rec.append(registry.check_register(rid, 1, Role.PUSHER, PREFILL.engine_id, "d", blocks))
+            rec.append(registry.check_peer_registration(rid, 1, "d", "decode-0", ((1,), (1,)), 1))
+            rec.append(KvReady(rid, 1))
         snapshot_seq = rec.snapshot(retain_segments=0)
-        rec.record(registry.plan_trim("carried", 1))
-        rec.record(WriteStarted("carried", 1, 2, 8192))
-        rec.record(WriteDone("carried", 1))
+        rec.append(registry.plan_trim("carried", 1))
+        rec.append(WriteStarted("carried", 1, 2, 8192))
+        rec.append(WriteDone("carried", 1))
         for event in registry.plan_release("carried", 1):
-            rec.record(event)
+            rec.append(event)
     assert not (path / "seg-00000000000000000001.kvj").exists(), "the snapshot pruned"
     analysis = _analyse(path)
     node = analysis.merged.nodes[0]
