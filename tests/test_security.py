@@ -41,26 +41,26 @@ from daemon.dataplane.memory import create_shm_file
 from daemon.framing import FrameEncoder, frame_bytes
 from daemon.journal.replay import replay
 from daemon.node.peerlink import MAX_PENDING_HANDSHAKES, NONCE_BYTES, auth_mac
-from schemas import peer as pm
-from schemas import rpc
-from schemas.events import Refused, Registered, WriteStarted
-from schemas.kvlayout import GroupSpec, LayerSpec, RegionSpec
-from schemas.layout import GroupKind, Role
-from tests.daemons import Daemon, free_port
-from tests.test_fuzz import (
-    PeerConn,
-    RpcConn,
-    both_views,
+from daemon.sim.fuzzing import PeerConn, RpcConn, both_views
+from daemon.sim.launcher import (
+    TEST_SECRET,
+    Daemon,
     fd_count,
+    free_port,
     mapped_files,
     rss_kib,
     start_daemons,
     start_pair,
 )
+from schemas import peer as pm
+from schemas import rpc
+from schemas.events import Refused, Registered, WriteStarted
+from schemas.kvlayout import GroupSpec, LayerSpec, RegionSpec
+from schemas.layout import GroupKind, Role
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as other uids")
 
-SECRET: Final = b"test-secret-0123456789abcdef"  # what tests.daemons writes
+SECRET: Final = TEST_SECRET  # what the launcher writes
 ENGINE_GID: Final = 4242  # the group the socket is shared with
 OTHER_UID: Final = 4243  # an engine's uid that is not allowed by uid
 ADMITTED_UID: Final = 4244

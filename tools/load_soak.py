@@ -1,4 +1,4 @@
-"""Load soak: tests/test_load.py's fleet for 100,000+ requests, with engine churn.
+"""Load soak: the load fleet of tests/test_load.py for 100,000+ requests, with engine churn.
 
 Two real daemons; rounds of 16 fresh SimEngines (8 per side) that each run
 ``--per-round`` verified requests and then close, so the run covers both
@@ -28,9 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.daemons import Daemon  # noqa: E402 - needs the repository on sys.path
-from tests.test_fuzz import start_pair  # noqa: E402
-from tests.test_load import Fleet, Sample, wait_idle, wait_unmapped  # noqa: E402
+from daemon.sim.launcher import Daemon, start_pair  # noqa: E402 - after sys.path
+from daemon.sim.loadfleet import Fleet, Sample, wait_idle, wait_unmapped  # noqa: E402
 
 MIB = 1024
 
