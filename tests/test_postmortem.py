@@ -25,7 +25,6 @@ import msgspec
 import pytest
 
 from daemon.journal.format import FRAME_OVERHEAD, HEADER_SIZE
-from daemon.journal.replay import iter_records
 from daemon.journal.writer import FsyncPolicy, Journal
 from daemon.postmortem import progress
 from daemon.postmortem.analyse import Analysis, RequestSummary, analyse, summarize
@@ -42,9 +41,10 @@ from schemas.events import (
     Failed,
     Record,
     Released,
-    encode_record,
 )
 from schemas.reasons import Reason
+from tests.support.journals import read_records as _records
+from tests.support.journals import write_records as _write
 
 REPO = Path(__file__).resolve().parents[1]
 REQUESTS = 60
@@ -83,19 +83,6 @@ def _replay_json(*args: object) -> dict:
     done = _kvpushd("journal", "replay", *args, "--json")
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
-
-
-def _records(path: Path) -> list[Record]:
-    _, records = iter_records(path)
-    return list(records)
-
-
-def _write(path: Path, records: list[Record], segment_bytes: int = 64 * 1024 * 1024) -> Path:
-    """Rewrite records through the journal writer, envelopes (seq, ts) as they are."""
-    with Journal.open(path, fsync=FsyncPolicy.NEVER, segment_bytes=segment_bytes) as journal:
-        for record in records:
-            journal.append(encode_record(record))
-    return path
 
 
 def _renumber(records: list[Record]) -> list[Record]:

@@ -45,11 +45,12 @@ from daemon.postmortem.load import load
 from daemon.postmortem.merge import merge
 from daemon.postmortem.timeline import timeline
 from daemon.sim.engine import SimEngine, SimGroup
+from daemon.sim.launcher import Daemon, daemon_pair
 from schemas import rpc
 from schemas.events import DaemonStarted, Failed
 from schemas.layout import Role
 from schemas.reasons import Reason
-from tests.daemons import REPO, Daemon, daemon_pair
+from tests.support import REPO
 
 LAYOUT = [SimGroup(num_blocks=64, block_bytes=1024, layers=2)]
 # Nothing may expire while the test runs: every state stays until the kill.

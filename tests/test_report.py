@@ -36,7 +36,8 @@ from daemon.postmortem.load import load
 from daemon.postmortem.merge import merge
 from schemas.events import FORMAT_VERSION, DaemonStarted, Failed, Record
 from schemas.reasons import Reason
-from tests.test_postmortem import _records, _write
+from tests.support.journals import read_records as _records
+from tests.support.journals import write_records as _write
 
 REPO = Path(__file__).resolve().parents[1]
 UTC = {**os.environ, "TZ": "UTC"}

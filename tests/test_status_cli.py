@@ -14,8 +14,9 @@ import pytest
 from daemon.cli import main
 from daemon.ops.status import EXIT_NOT_RUNNING, EXIT_UNAVAILABLE, age
 from daemon.sim.engine import SimEngine, SimGroup
+from daemon.sim.launcher import Daemon, free_port
 from schemas.layout import Role
-from tests.daemons import REPO, Daemon, free_port
+from tests.support import REPO
 
 LAYOUT = [SimGroup(num_blocks=64, block_bytes=1024, layers=1)]
 
