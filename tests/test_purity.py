@@ -3,6 +3,9 @@
 ARCHITECTURE.md, Wings: the core imports only schemas and the standard library,
 never asyncio, nixl, torch or the daemon; time enters it as a value inside
 events, and the shell owns clocks and deadlines.
+
+This is the one place for that rule; tests/test_layout.py pins the other
+wings' import rules with the same scanner (tests/support/imports.py).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.imports import DYNAMIC, is_under, statements
 
 ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "statemachine"
@@ -67,10 +72,6 @@ CLOCK_ATTRS = {
 }
 
 
-def _is_under(name: str, roots: tuple[str, ...]) -> bool:
-    return any(name == root or name.startswith(root + ".") for root in roots)
-
-
 def test_core_files_found() -> None:
     names = {p.name for p in CORE_FILES}
     assert {"__init__.py", "transitions.py", "registry.py", "trim.py"} <= names
@@ -88,31 +89,15 @@ def test_importing_the_core_loads_no_shell_module() -> None:
     )
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
     assert "statemachine.registry" in loaded  # the probe really imported the core
-    bad = sorted(m for m in loaded if _is_under(m, FORBIDDEN_LOADED))
+    bad = sorted(m for m in loaded if is_under(m, FORBIDDEN_LOADED))
     assert bad == []
 
 
 def _imports(tree: ast.AST) -> list[tuple[int, str]]:
-    found: list[tuple[int, str]] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found.extend((node.lineno, alias.name) for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative import: inside the core
-                found.append((node.lineno, "statemachine"))
-            elif node.module:
-                found.append((node.lineno, node.module))
-        elif (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Name)
-            and node.func.id == "__import__"
-        ) or (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr == "import_module"
-        ):
-            found.append((node.lineno, "<dynamic import>"))
-    return found
+    """(line, module) of each import: a relative one is the core's own, a dynamic one DYNAMIC."""
+    return [
+        (line, "statemachine" if level else module) for line, module, level, _ in statements(tree)
+    ]
 
 
 @pytest.mark.parametrize("path", CORE_FILES, ids=[p.name for p in CORE_FILES])
@@ -122,7 +107,7 @@ def test_core_source_imports_only_pure_modules(path: Path) -> None:
     for lineno, name in _imports(tree):
         if name == "__future__":
             continue
-        if name == "<dynamic import>" or _is_under(name, FORBIDDEN_IMPORTS):
+        if name == DYNAMIC or is_under(name, FORBIDDEN_IMPORTS):
             problems.append(f"{path.name}:{lineno}: imports {name}")
             continue
         root = name.split(".")[0]
@@ -160,7 +145,7 @@ def test_scanner_catches_forbidden_code() -> None:
         "__import__('torch')\n"
     )
     names = [name for _, name in _imports(sample)]
-    assert names == ["time", "asyncio", "numpy", "<dynamic import>"]
+    assert names == ["time", "asyncio", "numpy", DYNAMIC]
     reads = [
         n.attr for n in ast.walk(sample) if isinstance(n, ast.Attribute) and n.attr in CLOCK_ATTRS
     ]

@@ -1,0 +1,297 @@
+"""The wings stay apart: who may import what, checked statically and transitively.
+
+ARCHITECTURE.md draws the package in wings (node, journal, dataplane, client,
+postmortem, ops, sim) around the pure core. These rules pin the edges that
+keep it so. Each is checked on the import graph of the repository's own
+sources (tests/support/imports.py: parsed, never executed; lazy and
+type-only imports count), following imports through the package's own
+modules, so a forbidden module reached two hops away is caught like a direct
+import, and each violation names the chain that reaches it.
+
+The core's purity (statemachine/ imports no I/O, clock or shell module)
+is pinned in one place, tests/test_purity.py, with the same scanner.
+
+Every rule is also shown to fail: fed a small synthetic tree that breaks it
+through a middle module, it reports exactly the chains that reach the
+offending import; with the offending module emptied, it reports nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from tests.support import REPO
+from tests.support.imports import DYNAMIC, ImportGraph, chain_text, is_stdlib, is_under
+
+PACKAGE = ("daemon", "schemas", "statemachine")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Modules matching ``sources`` may reach only names that ``allowed`` accepts."""
+
+    name: str
+    says: str
+    sources: Callable[[str], bool]
+    allowed: Callable[[str], bool]
+
+
+def _client_may_use(name: str) -> bool:
+    return (
+        name in ("daemon", "daemon.framing")
+        or is_under(name, ("daemon.client", "schemas", "msgspec"))
+        or (name != DYNAMIC and is_stdlib(name))
+        # The one exception: the blocking client runs its loop on uvloop when
+        # it is installed (an ImportError falls back to asyncio's), as the
+        # daemon does; an event loop is not the runtime, NIXL or torch.
+        or name == "uvloop"
+    )
+
+
+RULES = (
+    Rule(
+        "schemas",
+        "schemas/ imports only msgspec and the standard library",
+        lambda m: is_under(m, ("schemas",)),
+        lambda n: is_under(n, ("schemas", "msgspec")) or (n != DYNAMIC and is_stdlib(n)),
+    ),
+    Rule(
+        "journal",
+        "daemon/journal/ reaches no other part of the package than schemas, statemachine"
+        " and daemon.failpoints",
+        lambda m: is_under(m, ("daemon.journal",)),
+        lambda n: (
+            not is_under(n, PACKAGE)
+            or n in ("daemon", "daemon.failpoints")
+            or is_under(n, ("daemon.journal", "schemas", "statemachine"))
+        ),
+    ),
+    Rule(
+        "client",
+        "daemon/client/ imports only schemas, daemon.framing, msgspec and the standard library"
+        " (and uvloop if installed)",
+        lambda m: is_under(m, ("daemon.client",)),
+        _client_may_use,
+    ),
+    Rule(
+        "postmortem-ops",
+        "daemon/postmortem/ and daemon/ops/ reach neither the runtime, the data plane,"
+        " the simulator, nixl nor torch",
+        lambda m: is_under(m, ("daemon.postmortem", "daemon.ops")),
+        lambda n: (
+            not is_under(n, ("daemon.node", "daemon.dataplane", "daemon.sim", "nixl", "torch"))
+        ),
+    ),
+    Rule(
+        "sim-leaf",
+        "nothing in the package reaches daemon.sim but daemon/sim itself and daemon/cli.py"
+        " (the demo command)",
+        lambda m: is_under(m, PACKAGE) and not is_under(m, ("daemon.sim", "daemon.cli")),
+        lambda n: not is_under(n, ("daemon.sim",)),
+    ),
+    Rule(
+        "package-alone",
+        "the package imports neither tests, bench nor tools",
+        lambda m: is_under(m, PACKAGE),
+        lambda n: not is_under(n, ("tests", "bench", "tools")),
+    ),
+    Rule(
+        "bench-tools",
+        "bench/ and tools/ never import tests",
+        lambda m: is_under(m, ("bench", "tools")),
+        lambda n: not is_under(n, ("tests",)),
+    ),
+    Rule(
+        "tests-apart",
+        "no module under tests/ imports a test module: what tests share is in tests/support",
+        lambda m: is_under(m, ("tests",)),
+        lambda n: not (n.startswith("tests.test_") or n == "tests.conftest"),
+    ),
+)
+
+
+def violations(graph: ImportGraph, rule: Rule) -> list[str]:
+    found = []
+    for module in sorted(m for m in graph.modules if rule.sources(m)):
+        for name, chain in graph.reach(module).items():
+            if not rule.allowed(name):
+                found.append(chain_text(chain))
+    return sorted(found)
+
+
+@pytest.fixture(scope="module")
+def graph() -> ImportGraph:
+    return ImportGraph.of_tree(REPO)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r.name for r in RULES])
+def test_rule_holds(graph: ImportGraph, rule: Rule) -> None:
+    assert violations(graph, rule) == [], rule.says
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r.name for r in RULES])
+def test_rule_applies_to_real_modules(graph: ImportGraph, rule: Rule) -> None:
+    """A rule whose sources matched nothing would hold vacuously."""
+    assert any(rule.sources(m) for m in graph.modules), rule.says
+
+
+def test_the_graph_holds_every_wing(graph: ImportGraph) -> None:
+    for wing in ("client", "node", "journal", "dataplane", "postmortem", "ops", "sim"):
+        assert f"daemon.{wing}" in graph.modules, wing
+    assert {"tests.support", "tests.test_layout", "bench.daemon_bench", "tools.soak"} <= (
+        graph.modules
+    )
+
+
+# ------------------------------------------------------- the rules can fail
+
+
+def _package(files: dict[str, str]) -> ImportGraph:
+    """A synthetic tree: module name -> source (names ending in __init__ are packages)."""
+    sources = {}
+    for name, text in files.items():
+        is_package = name.endswith(".__init__")
+        sources[name.removesuffix(".__init__")] = (text, is_package)
+    return ImportGraph(sources)
+
+
+# Rule name -> (a tree that breaks it, every violation it must report). A
+# violation is reported from each source module that reaches it, for the
+# module and for the packages above it (importing a.b runs a/__init__.py).
+BROKEN: dict[str, tuple[dict[str, str], list[str]]] = {
+    "schemas": (
+        {
+            "schemas.rpc": "from schemas.status import StatusDocument\n",
+            "schemas.status": "import numpy as np\n",
+        },
+        ["schemas.rpc:1 -> schemas.status:1 -> numpy", "schemas.status:1 -> numpy"],
+    ),
+    "journal": (
+        {
+            "daemon.journal.replay": "from daemon import failpoints\nfrom . import stats\n",
+            "daemon.journal.stats": "from daemon.node import metrics\n",
+            "daemon.failpoints": "",
+        },
+        [
+            # daemon.node.metrics is no module of this tree: the import names the package.
+            "daemon.journal.replay:2 -> daemon.journal.stats:1 -> daemon.node",
+            "daemon.journal.stats:1 -> daemon.node",
+        ],
+    ),
+    "client": (
+        {
+            "daemon.client.__init__": "from daemon.client.engine_client import EngineClient\n",
+            "daemon.client.engine_client": "import asyncio\nfrom daemon.framing import x\n",
+            "daemon.framing": "import struct\nfrom . import config\n",
+            "daemon.config": "import tomllib\n",
+        },
+        [
+            "daemon.client.engine_client:2 -> daemon.framing:2 -> daemon.config",
+            "daemon.client:1 -> daemon.client.engine_client:2 -> daemon.framing:2 -> daemon.config",
+        ],
+    ),
+    "postmortem-ops": (
+        {
+            "daemon.ops.status": "from daemon import config\n",
+            "daemon.config": "\n\nimport torch\n",
+        },
+        ["daemon.ops.status:1 -> daemon.config:3 -> torch"],
+    ),
+    "sim-leaf": (
+        {
+            "daemon.node.runtime": "from daemon.journal import replay\n",
+            "daemon.journal.replay": "def f():\n    from daemon.sim.engine import SimEngine\n",
+            "daemon.cli": "from daemon.sim import demo\n",  # allowed: the demo command
+        },
+        [
+            "daemon.journal.replay:2 -> daemon.sim",
+            "daemon.journal.replay:2 -> daemon.sim.engine",
+            "daemon.node.runtime:1 -> daemon.journal.replay:2 -> daemon.sim",
+            "daemon.node.runtime:1 -> daemon.journal.replay:2 -> daemon.sim.engine",
+        ],
+    ),
+    "package-alone": (
+        {
+            "statemachine.registry": "from schemas import events\n",
+            "schemas.events": "import bench.results\n",
+        },
+        [
+            "schemas.events:1 -> bench",
+            "schemas.events:1 -> bench.results",
+            "statemachine.registry:1 -> schemas.events:1 -> bench",
+            "statemachine.registry:1 -> schemas.events:1 -> bench.results",
+        ],
+    ),
+    "bench-tools": (
+        {
+            "tools.soak": "from daemon.sim.crashrounds import run_rounds\n",
+            "daemon.sim.crashrounds": "from tests.test_crash import Summary\n",
+        },
+        [
+            "tools.soak:1 -> daemon.sim.crashrounds:1 -> tests",
+            "tools.soak:1 -> daemon.sim.crashrounds:1 -> tests.test_crash",
+        ],
+    ),
+    "tests-apart": (
+        {
+            "tests.test_report": "from tests.support.journals import read_records\n",
+            "tests.support.journals": "from tests.test_postmortem import _write\n",
+            "tests.test_postmortem": "",
+        },
+        [
+            "tests.support.journals:1 -> tests.test_postmortem",
+            "tests.test_report:1 -> tests.support.journals:1 -> tests.test_postmortem",
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r.name for r in RULES])
+def test_rule_reports_a_synthetic_violation(rule: Rule) -> None:
+    files, expected = BROKEN[rule.name]
+    assert violations(_package(files), rule) == expected
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r.name for r in RULES])
+def test_rule_passes_the_synthetic_tree_once_the_violation_is_gone(rule: Rule) -> None:
+    """The same tree with the offending module emptied: nothing left to report."""
+    files, expected = BROKEN[rule.name]
+    culprit = expected[0].split(" -> ")[-2].split(":")[0]
+    fixed = {name: "" if name == culprit else text for name, text in files.items()}
+    assert violations(_package(fixed), rule) == []
+
+
+def test_every_rule_has_a_synthetic_violation() -> None:
+    assert set(BROKEN) == {r.name for r in RULES}
+
+
+def test_scanner_resolves_relative_submodule_parent_and_dynamic_imports() -> None:
+    graph = _package(
+        {
+            "pkg.__init__": "",
+            "pkg.sub.__init__": "from . import leaf\nfrom .. import other\n",
+            "pkg.sub.leaf": "from .sibling import name\nimport importlib\n"
+            "importlib.import_module('x')\n",
+            "pkg.sub.sibling": "",
+            "pkg.other": "def f():\n    import os.path\n",
+        }
+    )
+    assert sorted({e.target for e in graph.imports("pkg.sub")}) == [
+        "pkg",
+        "pkg.other",
+        "pkg.sub",
+        "pkg.sub.leaf",
+    ]
+    assert sorted({e.target for e in graph.imports("pkg.sub.leaf")}) == [
+        DYNAMIC,
+        "importlib",
+        "pkg",
+        "pkg.sub",
+        "pkg.sub.sibling",
+    ]
+    reached = graph.reach("pkg.sub")
+    assert {"os.path", "os", DYNAMIC, "pkg.sub.sibling"} <= set(reached)
+    assert chain_text(reached["os.path"]) == "pkg.sub:2 -> pkg.other:2 -> os.path"
