@@ -27,10 +27,10 @@ FATAL_CLOSE_S = 5.0  # how long a journal-failure exit waits for the data plane 
 
 def _status_line(node: Node) -> str:
     status = node.status()
-    peers = sum(1 for p in status["peers"] if p.get("up"))
+    peers = sum(1 for p in status.peers if p.up)
     return (
-        f"{status['live']} live requests, {len(status['engines'])} engines, "
-        f"{peers} peers up, journal at seq {status['journal']['durable_seq']}"
+        f"{status.live} live requests, {len(status.engines)} engines, "
+        f"{peers} peers up, journal at seq {status.journal.durable_seq}"
     )
 
 
@@ -63,7 +63,7 @@ def _attach_metrics(config: Config, node: Node) -> NodeMetrics | None:
 async def _serve_metrics(metrics: NodeMetrics, node: Node, port: int) -> int:
     metrics.hook_group_commit()
     bound = await metrics.start(port)
-    node.status_extras["metrics_port"] = bound
+    node.metrics_port = bound
     log.info("metrics endpoint", url=f"http://127.0.0.1:{bound}/metrics")
     return bound
 

@@ -17,6 +17,7 @@ import msgspec
 from schemas.kvlayout import GroupSpec, RegionSpec
 from schemas.layout import Role
 from schemas.reasons import Reason
+from schemas.status import StatusDocument
 
 PROTOCOL_VERSION: Final = 1
 MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
@@ -114,7 +115,7 @@ class Deferred(_Reply, frozen=True, tag="deferred"):
 
 
 class StatusReply(_Reply, frozen=True, tag="status_reply"):
-    status: dict
+    status: StatusDocument
 
 
 class Error(_Reply, frozen=True, tag="error"):

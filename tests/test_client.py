@@ -55,6 +55,7 @@ from schemas import rpc
 from schemas.kvlayout import GroupSpec, LayerSpec, RegionSpec
 from schemas.layout import GroupKind, Role
 from schemas.reasons import Reason
+from schemas.status import StatusDocument
 
 ROOT = Path(__file__).resolve().parents[1]
 SHM = Path("/dev/shm")
@@ -141,8 +142,9 @@ class FakeDaemon:
             case rpc.RegisterRequest():
                 return rpc.RequestAccepted(request.id, state=f"registered:{request.request_id}")
             case rpc.Status():
+                # The fake puts its connection count where a daemon counts live requests.
                 return rpc.StatusReply(
-                    request.id, status={"node": "fake", "conns": len(self.conns)}
+                    request.id, status=StatusDocument(node="fake", live=len(self.conns))
                 )
             case _:
                 return rpc.Ok(request.id)
@@ -171,6 +173,10 @@ async def client(daemon: FakeDaemon) -> AsyncIterator[EngineClient]:
     await c.close()
 
 
+def _node_and_conns(status: dict[str, Any]) -> tuple[str, int]:
+    return status["node"], status["live"]
+
+
 GROUPS = (GroupSpec(GroupKind.ATTENTION, 8, 64, (LayerSpec("r", 0),)),)
 REGIONS = (RegionSpec("r", 512, path="/dev/shm/none"),)
 
@@ -186,7 +192,7 @@ async def test_connect_says_hello_and_calls_get_their_replies_with_fake_daemon(
     accepted = await client.register_request("e", "r1", Role.RECEIVER, [[1, 2]], peer="P")
     assert accepted.state == "registered:r1"
     assert isinstance(await client.kv_ready("r1"), rpc.Ok)
-    assert await client.status() == {"node": "fake", "conns": 1}
+    assert _node_and_conns(await client.status()) == ("fake", 1)
 
 
 async def test_out_of_order_replies_reach_their_own_callers_with_fake_daemon(
@@ -249,7 +255,7 @@ async def test_wrong_reply_kind_and_undecodable_reply_fail_only_that_call_with_f
     conn = daemon.conns[0]
     call = asyncio.create_task(client.kv_ready("r1"))
     request = await conn.inbox.get()
-    await conn.send(rpc.StatusReply(request.id, status={}))
+    await conn.send(rpc.StatusReply(request.id, status=StatusDocument()))
     with pytest.raises(ProtocolError, match="StatusReply"):
         await call
 
@@ -266,7 +272,7 @@ async def test_wrong_reply_kind_and_undecodable_reply_fail_only_that_call_with_f
     with pytest.raises(ProtocolError, match="undecodable"):
         await call
     await conn.send_raw(msgspec.msgpack.encode({"kind": "future_event", "x": 1}))  # dropped
-    assert await client.status() == {"node": "fake", "conns": 1}
+    assert _node_and_conns(await client.status()) == ("fake", 1)
 
 
 async def test_call_timeout_then_late_reply_is_dropped_with_fake_daemon(
@@ -279,7 +285,7 @@ async def test_call_timeout_then_late_reply_is_dropped_with_fake_daemon(
         await client.kv_ready("r2", timeout=0.05)
     late = await daemon.conns[0].inbox.get()
     await daemon.conns[0].send(rpc.Ok(late.id))
-    assert await client.status() == {"node": "fake", "conns": 1}
+    assert _node_and_conns(await client.status()) == ("fake", 1)
     with pytest.raises(CallTimeout):
         await client.next_event(timeout=0.01)
 
@@ -368,7 +374,7 @@ async def test_request_over_the_frame_limit_is_not_sent_with_fake_daemon(
         with pytest.raises(RequestTooLarge):
             await c.register_request("e", "r", "pusher", [list(range(2000))])
         assert daemon.conns[0].inbox.empty()
-        assert await c.status() == {"node": "fake", "conns": 1}
+        assert _node_and_conns(await c.status()) == ("fake", 1)
 
 
 async def test_oversized_frame_from_the_daemon_ends_the_connection_with_fake_daemon(

@@ -290,10 +290,10 @@ class EngineClient:
         request = rpc.Abort(self._next_id(), request_id=request_id, incarnation=incarnation)
         return await self._call(request, (rpc.Ok, rpc.Deferred), timeout)
 
-    async def status(self, *, timeout: float | None = None) -> dict:
-        """The daemon's status document."""
+    async def status(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """The daemon's status document (:class:`schemas.status.StatusDocument`), as a dict."""
         reply = await self._call(rpc.Status(self._next_id()), rpc.StatusReply, timeout)
-        return reply.status
+        return msgspec.to_builtins(reply.status)
 
     # --------------------------------------------------------------- events
 
@@ -578,7 +578,7 @@ class BlockingEngineClient:
     ) -> rpc.Ok | rpc.Deferred:
         return self._run(self.client.abort(request_id, incarnation, timeout=timeout))
 
-    def status(self, *, timeout: float | None = None) -> dict:
+    def status(self, *, timeout: float | None = None) -> dict[str, Any]:
         return self._run(self.client.status(timeout=timeout))
 
     def next_event(self, timeout: float | None = None) -> rpc.Event:

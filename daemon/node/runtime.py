@@ -35,6 +35,7 @@ from daemon.journal.writer import Journal
 from daemon.node.engines import Engines, EngineSession
 from daemon.node.ledger import Ledger
 from daemon.node.peers import Peers
+from daemon.node.status import status_document
 from daemon.node.transfers import Transfers
 from daemon.node.windows import Windows
 from schemas import peer as pm
@@ -44,6 +45,7 @@ from schemas.events import DaemonStarted, Event, KvReady, Refused, Registered, R
 from schemas.layout import Role
 from schemas.reasons import Reason
 from schemas.state import PendingPeer, RequestRecord, State
+from schemas.status import StatusDocument
 from statemachine import Refusal, Registry
 from statemachine.reactions import Cause, Stimulus, Why, react, react_pending
 
@@ -94,8 +96,8 @@ class Node:
         self.on_fatal: Callable[[BaseException], None] = lambda exc: None
         # Metrics and tests watch every journaled event: (event, record touched, ts).
         self.observers: list[Callable[[Event, object, float], None]] = []
-        # Extra fields for status() from other parts of the service (metrics port).
-        self.status_extras: dict[str, Any] = {}
+        # The port the service serves metrics on, for status(); None without metrics.
+        self.metrics_port: int | None = None
 
     @property
     def ledger(self) -> Ledger:
@@ -382,10 +384,8 @@ class Node:
         with contextlib.suppress(JournalFatal):
             await self.ledger.commit([event], Cause.ENGINE)
 
-    def status(self) -> dict[str, Any]:
-        from daemon.node.status import status_document
-
-        return status_document(self)
+    def status(self) -> StatusDocument:
+        return status_document(self, VERSION)
 
     # ------------------------------------------------------------- peer links
 

@@ -26,6 +26,10 @@ class KeyedSerializer:
         self._spawn = spawn
         self._last: dict[Hashable, asyncio.Task[Any]] = {}
         self._barrier: asyncio.Task[Any] | None = None
+        # Keyed tasks submitted since the last barrier: the next barrier waits
+        # for these and that barrier only (it waited for all before it), so a
+        # flood of barriers costs one wait each, not one per task in flight.
+        self._since_barrier: set[asyncio.Task[Any]] = set()
         self.inflight: set[asyncio.Task[Any]] = set()
 
     def submit(
@@ -40,7 +44,8 @@ class KeyedSerializer:
         ``key=None`` makes it a barrier.
         """
         if key is None:
-            waits = [t for t in self.inflight if not t.done()]
+            before = (self._barrier, *self._since_barrier)
+            waits = [t for t in before if t is not None and not t.done()]
         else:
             candidates = (self._barrier, self._last.get(key), self._last.get(after))
             waits = [t for t in candidates if t is not None and not t.done()]
@@ -48,13 +53,16 @@ class KeyedSerializer:
         self.inflight.add(task)
         if key is None:
             self._barrier = task
+            self._since_barrier = set()
         else:
             self._last[key] = task
+            self._since_barrier.add(task)
         task.add_done_callback(lambda t: self._done(t, key))
         return task
 
     def _done(self, task: asyncio.Task[Any], key: Hashable | None) -> None:
         self.inflight.discard(task)
+        self._since_barrier.discard(task)
         if key is None:
             if self._barrier is task:
                 self._barrier = None

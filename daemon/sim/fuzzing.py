@@ -191,7 +191,7 @@ class RpcConn:
     def status(self) -> dict:
         reply = self.call(rpc.Status(self.next_id()))
         assert isinstance(reply, rpc.StatusReply), reply
-        return reply.status
+        return msgspec.to_builtins(reply.status)
 
     def drain_to_eof(self) -> list[rpc.ServerMessage]:
         messages = []

@@ -1,0 +1,84 @@
+"""The status document: what a daemon says about itself (``kvpushd status``).
+
+Sent in :class:`schemas.rpc.StatusReply`. Every field has a default and
+unknown fields are ignored, so a client decodes the document of a daemon one
+version older or newer than itself; the daemon builds it in
+daemon/node/status.py.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class _Part(msgspec.Struct, frozen=True, kw_only=True):
+    pass
+
+
+class OldestRequest(_Part, frozen=True):
+    request_id: str = ""
+    state: str = ""
+    age_s: float = 0.0
+
+
+class RequestLine(_Part, frozen=True):
+    request_id: str = ""
+    incarnation: int = 0
+    role: str = ""
+    state: str = ""
+    engine: str = ""
+    peer: str = ""
+    age_s: float = 0.0
+
+
+class EngineLine(_Part, frozen=True):
+    connected: bool = False
+    groups: int = 0
+    live: int = 0
+    offload_free: int | None = None
+
+
+class PeerLine(_Part, frozen=True):
+    node: str = ""
+    address: str = ""
+    up: bool = False
+    direction: str = ""  # "dialed" / "accepted" when up
+    boot_id: str = ""
+    last_heard_age_s: float | None = None
+    peername: str = ""
+
+
+class JournalLine(_Part, frozen=True):
+    dir: str = ""
+    next_seq: int = 0
+    durable_seq: int = 0
+    lag: int = 0  # records appended but not yet durable
+
+
+class DataPlaneCounters(_Part, frozen=True):
+    writes: int = 0
+    write_errors: int = 0
+    writes_cancelled: int = 0
+    bytes_written: int = 0
+
+
+class StatusDocument(_Part, frozen=True):
+    node: str = ""
+    version: str = ""
+    boot_id: str = ""
+    pid: int = 0
+    uptime_s: float = 0.0
+    live: int = 0
+    by_state: dict[str, int] = {}
+    pending_peer_registrations: int = 0
+    oldest: OldestRequest | None = None
+    # The oldest requests first, at most daemon/node/status.py's MAX_LISTED.
+    requests: list[RequestLine] = []
+    engines: dict[str, EngineLine] = {}
+    peers: list[PeerLine] = []
+    journal: JournalLine = JournalLine()
+    counters: dict[str, int] = {}
+    peer_engines: dict[str, list[str]] = {}
+    dataplane: DataPlaneCounters = DataPlaneCounters()
+    writes_in_flight: int = 0
+    metrics_port: int | None = None  # set when the daemon serves metrics
