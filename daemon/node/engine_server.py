@@ -16,7 +16,7 @@ import socket
 import struct
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import structlog
@@ -27,6 +27,8 @@ from daemon.framing import EmptyFrame, FrameEncoder, FrameTooLarge, read_frame
 from daemon.node.runtime import VERSION
 from daemon.node.serializer import KeyedSerializer
 from schemas import rpc
+from schemas.config import Config
+from schemas.status import StatusDocument
 from statemachine import Refusal
 
 log = structlog.get_logger("kvpushd.rpc")
@@ -95,11 +97,36 @@ Handler = Callable[[Session, Any], Awaitable[rpc.Reply]]
 MAX_INFLIGHT_PER_CONNECTION = 1024
 
 
+class EngineApi(Protocol):
+    """What the server needs from the node behind it (daemon/node/runtime.py ``Node``)."""
+
+    config: Config
+    fatal: BaseException | None
+
+    async def rpc_register_engine(self, session: Session, req: rpc.RegisterEngine) -> rpc.Reply: ...
+
+    async def rpc_register_request(
+        self, session: Session, req: rpc.RegisterRequest
+    ) -> rpc.Reply: ...
+
+    async def rpc_kv_ready(self, session: Session, req: rpc.KvReady) -> rpc.Reply: ...
+
+    async def rpc_release(self, session: Session, req: rpc.Release) -> rpc.Reply: ...
+
+    async def rpc_abort(self, session: Session, req: rpc.Abort) -> rpc.Reply: ...
+
+    async def record_refusal(self, request: rpc.Request, refusal: Refusal) -> None: ...
+
+    def engine_disconnected(self, session: Session) -> None: ...
+
+    def status(self) -> StatusDocument: ...
+
+
 class EngineServer:
     def __init__(
         self,
         path: str,
-        node: Any,
+        node: EngineApi,
         *,
         max_frame_bytes: int,
         allowed_uids: tuple[int, ...] = (),
@@ -249,7 +276,7 @@ class EngineServer:
         except RegionError as exc:
             return rpc.Error(request.id, exc.code or rpc.BAD_REGION, str(exc))
         except Exception as exc:
-            if getattr(self.node, "fatal", None) is not None:
+            if self.node.fatal is not None:
                 return rpc.Error(request.id, rpc.SHUTTING_DOWN, "the journal failed")
             clog.exception("request failed", op=type(request).__name__)
             return rpc.Error(request.id, rpc.INTERNAL, f"{type(exc).__name__}: {exc}")

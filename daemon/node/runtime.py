@@ -34,6 +34,7 @@ from daemon.journal.replay import fold_contents
 from daemon.journal.writer import Journal
 from daemon.node.engines import Engines, EngineSession
 from daemon.node.ledger import Ledger
+from daemon.node.peerlink import PeerManager
 from daemon.node.peers import Peers
 from daemon.node.status import status_document
 from daemon.node.transfers import Transfers
@@ -77,7 +78,7 @@ class Node:
             backend=config.nixl.backend,
             poll_interval_s=config.nixl.poll_interval_s,
         )
-        self.links: Any = None  # the PeerManager (daemon/node/peerlink.py), set by the service
+        self.links: PeerManager | None = None  # the peer links, set by the service
         self.engines = Engines(self)
         self.peers = Peers(self)
         self.windows = Windows(self)
@@ -171,7 +172,7 @@ class Node:
         for observe in self.observers:
             observe(event, touched, ts)
 
-    def attach_peers(self, manager: Any) -> None:
+    def attach_peers(self, manager: PeerManager) -> None:
         self.links = manager
 
     async def drain(self) -> None:
