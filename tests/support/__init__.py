@@ -3,6 +3,7 @@
 ``fixtures``  real daemons as pytest fixtures (registered in tests/conftest.py)
               and the clean-stop check they end with
 ``journals``  reading and rewriting journal records, for tests that plant damage
+``imports``   the static import scanner and graph of test_purity and test_layout
 
 Real daemon processes, the simulated engines and the harnesses that tools
 share with tests (crash rounds, fuzzing, the load fleet, the lifecycle driver)
