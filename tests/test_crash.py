@@ -34,7 +34,9 @@ from daemon.sim.crashrounds import CRASH_POINTS, run_rounds
 
 REPO: Final = Path(__file__).resolve().parents[1]
 
-HIT_LINE = re.compile(r'failpoints\.hit\("([a-z_.]+)"\)')
+# A failpoint is hit by name, or its name is handed to the ledger's commit
+# (``failpoint="node.write_done"``), which hits it once the events are journaled.
+HIT_LINE = re.compile(r'(?:failpoints\.hit\(|failpoint=)"([a-z_.]+)"')
 # Every module of the daemon but the one that declares the failpoints (its
 # docstring shows a call): modules move, a fixed list would miss a new one.
 FAILPOINT_FILES: Final = sorted(
