@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 import structlog
 
 from daemon.node.engine_server import EngineServer
-from daemon.node.peerlink import PeerManager, load_secret
+from daemon.node.peerauth import load_secret
+from daemon.node.peerlink import PeerManager
 from daemon.node.runtime import Node
 from daemon.sdnotify import Notifier
 from schemas.config import Config

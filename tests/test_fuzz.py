@@ -31,7 +31,7 @@ import pytest
 
 from daemon.dataplane.memory import create_shm_file
 from daemon.framing import frame_bytes
-from daemon.node.peerlink import NONCE_BYTES, auth_mac
+from daemon.node.peerauth import NONCE_BYTES, auth_mac
 from daemon.sim.fuzzing import (
     FuzzFailure,
     FuzzTarget,

@@ -22,18 +22,17 @@ import uvloop
 
 import daemon.node.peerlink
 from daemon.framing import FrameEncoder, FrameTooLarge, frame_bytes, read_frame
-from daemon.node.peerlink import (
+from daemon.node.peerauth import (
     NONCE_BYTES,
     PREAUTH_FRAME_BYTES,
     LinkReason,
-    PeerLink,
-    PeerManager,
     PeerRejected,
     SecretFileError,
     auth_mac,
     load_secret,
     parse_host_port,
 )
+from daemon.node.peerlink import PeerLink, PeerManager
 from schemas.config import PeerConfig
 from schemas.peer import (
     PEER_PROTOCOL,

@@ -456,7 +456,10 @@ def test_timeline_command(demo):
     assert len(item["steps"]) == len(rows)
     assert item["steps"][0]["since_previous"] is None
     nbytes = [s["nbytes"] for s in item["steps"] if s["event"] == "write_started"]
-    assert len(nbytes) == 2 and nbytes[0] == nbytes[1] > 0
+    # The pusher always journals write_started; the receiver only when the
+    # pusher's "writing" reaches it before the NIXL notification does (when
+    # the data lands first it goes registered -> done). Both say the same size.
+    assert nbytes[0] > 0 and len(nbytes) in (1, 2) and len(set(nbytes)) == 1
 
 
 def test_timeline_of_refused_and_failed(clean):

@@ -40,7 +40,8 @@ import pytest
 from daemon.dataplane.memory import create_shm_file
 from daemon.framing import FrameEncoder, frame_bytes
 from daemon.journal.replay import replay
-from daemon.node.peerlink import MAX_PENDING_HANDSHAKES, NONCE_BYTES, auth_mac
+from daemon.node.peerauth import NONCE_BYTES, auth_mac
+from daemon.node.peerlink import MAX_PENDING_HANDSHAKES
 from daemon.sim.fuzzing import PeerConn, RpcConn, both_views
 from daemon.sim.launcher import (
     TEST_SECRET,

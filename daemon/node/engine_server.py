@@ -187,7 +187,7 @@ class EngineServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._tasks.add(task)  # type: ignore[arg-type]
+        self._tasks.add(task)
         sock = writer.get_extra_info("socket")
         pid, uid, gid = peer_credentials(sock)
         groups = peer_groups(sock) if self.allowed_gids else ()
@@ -215,7 +215,7 @@ class EngineServer:
             self.sessions.discard(session)
             self.node.engine_disconnected(session)
             session.close()
-            self._tasks.discard(task)  # type: ignore[arg-type]
+            self._tasks.discard(task)
 
     async def _loop(self, reader: asyncio.StreamReader, session: Session, clog: Any) -> None:
         while True:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from daemon.dataplane.plane import DataPlaneError
+from daemon.node.peerauth import PeerRejected
 from daemon.node.serializer import KeyedSerializer
 from schemas import peer as pm
 from schemas.events import Refused
@@ -80,8 +81,6 @@ class Peers:
 
     def check_hello(self, node: str, hello: pm.Hello) -> None:
         """Refuse a peering whose engines cannot exchange KV with ours."""
-        from daemon.node.peerlink import PeerRejected
-
         local = {model_signature(e.spec.groups) for e in self.node.engines.by_id.values()}
         for engine in hello.engines:
             signature = model_signature(engine.groups)

@@ -64,7 +64,7 @@ from daemon.journal.format import FRAME_OVERHEAD, HEADER_SIZE, JournalError
 from daemon.journal.replay import ReplayError, replay
 from daemon.journal.writer import FsyncPolicy, Journal
 from daemon.node.ledger import Ledger
-from daemon.node.peerlink import NONCE_BYTES, PREAUTH_FRAME_BYTES
+from daemon.node.peerauth import NONCE_BYTES, PREAUTH_FRAME_BYTES
 from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
 from daemon.sim.launcher import Daemon, start_pair
 from daemon.sim.lifecycle import PREFILL, FakeClock, run_mix
