@@ -628,9 +628,10 @@ def read_history(journal: Path, scratch: Path) -> History:
     def collect(record: Record, touched: object) -> None:
         event = record.event
         rid = getattr(event, "request_id", None)
-        if rid is None:
+        incarnation = getattr(event, "incarnation", None)
+        if rid is None or incarnation is None:
             return
-        by_request.setdefault((rid, event.incarnation), []).append(record)
+        by_request.setdefault((rid, incarnation), []).append(record)
         detail = str(event.reason) if isinstance(event, Failed | Refused) else ""
         facts.add((type(event).__name__, rid, detail))
 

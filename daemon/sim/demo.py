@@ -1138,9 +1138,15 @@ def run_demo(opts: Options, out: TextIO) -> int:
         out.write(f"  work folder {workdir} ({note})\n")
         out.flush()
         p_port, d_port = free_port(), free_port()
-        where = {"timing": DEMO_TIMING, "socket_dir": sockets, "detached": True}
-        prefill = DaemonProc(PREFILL, workdir, p_port, [(DECODE, d_port)], **where)
-        decode = DaemonProc(DECODE, workdir, d_port, [(PREFILL, p_port)], **where)
+        prefill, decode = (
+            DaemonProc(
+                node, workdir, port, [peer], timing=DEMO_TIMING, socket_dir=sockets, detached=True
+            )
+            for node, port, peer in (
+                (PREFILL, p_port, (DECODE, d_port)),
+                (DECODE, d_port, (PREFILL, p_port)),
+            )
+        )
         daemons = (prefill, decode)
         write_secret(workdir / "secret")
         for d in daemons:

@@ -172,7 +172,7 @@ class RpcConn:
         """Send ``data`` and read ``n_replies`` replies while it is being sent."""
         sender = _Sender(self.sock, data)
         try:
-            replies = []
+            replies: list[rpc.Reply] = []
             for _ in range(n_replies):
                 reply = self.recv_reply()
                 if reply is None:

@@ -347,7 +347,7 @@ class Change:
 
 
 def changed_blocks(
-    before: Snapshot, view: KvView, except_blocks: Blocks | None = None
+    before: Snapshot, view: KvView, except_blocks: Sequence[Iterable[int]] | None = None
 ) -> list[Change]:
     """Every block, and every byte outside blocks, that differs from ``before``.
 

@@ -71,10 +71,12 @@ def push_one(rec: Ledger, rid: str, *, prefill_blocks, decode_blocks, fail: bool
         rec.append(Failed(rid, 1, Reason.TRANSFER_ERROR, "injected"))
         record = reg.get(rid)
     else:
-        _, record = rec.append(WriteDone(rid, 1))
+        rec.append(WriteDone(rid, 1))
+        record = reg.get(rid)
         for event in reg.plan_release(rid, 1):
             rec.append(event)
         return record
+    assert record is not None
     for event in reg.follow_up(record):
         rec.append(event)
     return record

@@ -185,7 +185,12 @@ async def wait_unmapped(
     """
     deadline = time.monotonic() + timeout
     while True:
-        still = {d.node: sorted(set(paths) & mapped_files(d.proc.pid)) for d in daemons}
+        still = {d.node: sorted(set(paths) & mapped_files(_pid(d))) for d in daemons}
         if not any(still.values()) or time.monotonic() > deadline:
             return {node: files for node, files in still.items() if files}
         await asyncio.sleep(0.05)
+
+
+def _pid(daemon: Daemon) -> int:
+    assert daemon.proc is not None, f"{daemon.node} was never started"
+    return daemon.proc.pid
