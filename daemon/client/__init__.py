@@ -4,12 +4,12 @@ Imports only ``schemas`` and ``daemon.framing`` (pinned by tests/test_layout.py)
 so an engine process never loads the runtime, NIXL or torch through it.
 """
 
-from daemon.client.engine_client import (
-    BlockingEngineClient,
+from daemon.client.blocking import BlockingEngineClient
+from daemon.client.engine_client import EngineClient
+from daemon.client.errors import (
     CallTimeout,
     ClientError,
     ConnectionLost,
-    EngineClient,
     ProtocolError,
     RequestTooLarge,
     RpcError,
