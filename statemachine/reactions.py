@@ -36,7 +36,7 @@ from schemas.events import (
 from schemas.layout import Role
 from schemas.reasons import Reason
 from schemas.state import Deadlines, PendingPeer, RequestRecord, State
-from statemachine.transitions import apply, is_quarantined
+from statemachine.transitions import apply, deadline_seconds, is_quarantined
 
 PUSHER, RECEIVER = Role.PUSHER, Role.RECEIVER
 REGISTERED, TRIMMED, WRITING = State.REGISTERED, State.TRIMMED, State.WRITING
@@ -106,27 +106,32 @@ def awaiting_data(record: RequestRecord) -> bool:
     return record.role is RECEIVER and record.state in (REGISTERED, WRITING)
 
 
+_NO_WHY: Final = Why()
+# A release previews the failure it may journal first, only to see whether
+# the record stays quarantined; the deadline that preview computes is unused.
+_PREVIEW_SECONDS: Final = deadline_seconds(Deadlines())
+
 # ------------------------------------------------------------------ reactions
 # Each takes the record as it is now and the stimulus's details.
 
-_Reaction = Callable[[RequestRecord, Why, Mapping[State, float]], list[RequestEvent]]
+_Reaction = Callable[[RequestRecord, Why], list[RequestEvent]]
 
 
-def fail(r: RequestRecord, why: Why, _: Mapping[State, float]) -> list[RequestEvent]:
+def fail(r: RequestRecord, why: Why) -> list[RequestEvent]:
     return [Failed(r.request_id, r.incarnation, why.reason, why.message)]
 
 
-def fail_settled(r: RequestRecord, why: Why, _: Mapping[State, float]) -> list[RequestEvent]:
+def fail_settled(r: RequestRecord, why: Why) -> list[RequestEvent]:
     """Fail, and record that the pusher's final word is in (or never can come)."""
     return [Failed(r.request_id, r.incarnation, why.reason, why.message, settled=True)]
 
 
-def defer_release(r: RequestRecord, why: Why, _: Mapping[State, float]) -> list[RequestEvent]:
+def defer_release(r: RequestRecord, why: Why) -> list[RequestEvent]:
     """The write cannot be recalled: it ends as done or failed, then the release."""
     return [] if r.release_pending else [ReleaseDeferred(r.request_id, r.incarnation)]
 
 
-def release(r: RequestRecord, why: Why, seconds: Mapping[State, float]) -> list[RequestEvent]:
+def release(r: RequestRecord, why: Why) -> list[RequestEvent]:
     """Honour the release, or defer it while a write may still land."""
     events: list[RequestEvent] = []
     if r.state in (REGISTERED, TRIMMED) or (r.role is RECEIVER and r.state is WRITING):
@@ -134,7 +139,7 @@ def release(r: RequestRecord, why: Why, seconds: Mapping[State, float]) -> list[
         # decide whether the release itself must wait.
         failed = Failed(r.request_id, r.incarnation, why.reason, why.message)
         events.append(failed)
-        r = apply(r, failed, r.entered_at, seconds)
+        r = apply(r, failed, r.entered_at, _PREVIEW_SECONDS)
     if not is_quarantined(r):
         events.append(Released(r.request_id, r.incarnation))
     elif not r.release_pending:
@@ -142,25 +147,25 @@ def release(r: RequestRecord, why: Why, seconds: Mapping[State, float]) -> list[
     return events
 
 
-def write_started(r: RequestRecord, why: Why, _: Mapping[State, float]) -> list[RequestEvent]:
+def write_started(r: RequestRecord, why: Why) -> list[RequestEvent]:
     return [WriteStarted(r.request_id, r.incarnation, why.num_blocks, why.nbytes)]
 
 
-def write_done(r: RequestRecord, why: Why, _: Mapping[State, float]) -> list[RequestEvent]:
+def write_done(r: RequestRecord, why: Why) -> list[RequestEvent]:
     return [WriteDone(r.request_id, r.incarnation)]
 
 
-def settle(r: RequestRecord, why: Why, _: Mapping[State, float]) -> list[RequestEvent]:
+def settle(r: RequestRecord, why: Why) -> list[RequestEvent]:
     """The pusher's final word for a receiver that already failed."""
     return [] if r.settled else [PeerSettled(r.request_id, r.incarnation)]
 
 
-def settle_fenced(r: RequestRecord, why: Why, _: Mapping[State, float]) -> list[RequestEvent]:
+def settle_fenced(r: RequestRecord, why: Why) -> list[RequestEvent]:
     """No word will come from a dead, fenced pusher: the quarantine lifts without it."""
     return [] if r.settled else [PeerSettled(r.request_id, r.incarnation, fenced=True)]
 
 
-def expire(r: RequestRecord, why: Why, _: Mapping[State, float]) -> list[RequestEvent]:
+def expire(r: RequestRecord, why: Why) -> list[RequestEvent]:
     """A deadline in a final state: fence a quarantined receiver's peer, else release.
 
     The shell must make the event true before journaling it: fence the peer
@@ -171,15 +176,15 @@ def expire(r: RequestRecord, why: Why, _: Mapping[State, float]) -> list[Request
     return [Released(r.request_id, r.incarnation)]
 
 
-def release_if_due(r: RequestRecord, why: Why, _: Mapping[State, float]) -> list[RequestEvent]:
+def release_if_due(r: RequestRecord, why: Why) -> list[RequestEvent]:
     """A deferred release becomes due once the quarantine lifts."""
     if r.release_pending and not is_quarantined(r):
         return [Released(r.request_id, r.incarnation)]
     return []
 
 
-def fail_naming_state(r: RequestRecord, why: Why, s: Mapping[State, float]) -> list[RequestEvent]:
-    return fail(r, why._replace(message=f"{why.message} in state {r.state.value}"), s)
+def fail_naming_state(r: RequestRecord, why: Why) -> list[RequestEvent]:
+    return fail(r, why._replace(message=f"{why.message} in state {r.state.value}"))
 
 
 # fmt: off
@@ -291,21 +296,12 @@ _PENDING_WHY: Final[Mapping[Stimulus, Why]] = MappingProxyType(
 )
 
 
-def react(
-    record: RequestRecord,
-    stimulus: Stimulus,
-    why: Why | None = None,
-    deadlines: Deadlines | Mapping[State, float] | None = None,
-) -> list[RequestEvent]:
+def react(record: RequestRecord, stimulus: Stimulus, why: Why | None = None) -> list[RequestEvent]:
     """The events ``stimulus`` calls for on ``record`` (empty: nothing to journal)."""
     reaction = REACTIONS[stimulus].get((record.role, record.state))
     if reaction is None:
         return []
-    if why is None:
-        why = DEFAULT_WHY.get(stimulus, Why())
-    if isinstance(deadlines, Deadlines) or deadlines is None:
-        deadlines = _seconds(deadlines or Deadlines())
-    return reaction(record, why, deadlines)
+    return reaction(record, DEFAULT_WHY.get(stimulus, _NO_WHY) if why is None else why)
 
 
 def react_pending(
@@ -317,7 +313,3 @@ def react_pending(
     why = why or _PENDING_WHY.get(stimulus, Why())
     reg = pending.registration
     return [Failed(reg.request_id, reg.incarnation, why.reason, why.message, settled=True)]
-
-
-def _seconds(deadlines: Deadlines) -> Mapping[State, float]:
-    return {state: deadlines.for_state(state) for state in State if state is not RELEASED}

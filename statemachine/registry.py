@@ -392,16 +392,16 @@ class Registry:
     ) -> list[RequestEvent]:
         """Events that end a live request early (engine abort)."""
         record = self.lookup(request_id, incarnation)
-        return react(record, Stimulus.ENGINE_ABORT, Why(reason, message), self._seconds)
+        return react(record, Stimulus.ENGINE_ABORT, Why(reason, message))
 
     def plan_release(self, request_id: str, incarnation: int) -> list[RequestEvent]:
         """Events for an engine's release: honoured, or deferred while quarantined."""
         record = self.lookup(request_id, incarnation)
-        return react(record, Stimulus.ENGINE_RELEASE, None, self._seconds)
+        return react(record, Stimulus.ENGINE_RELEASE)
 
     def follow_up(self, record: RequestRecord) -> list[RequestEvent]:
         """A deferred release becomes due once the quarantine lifts."""
-        return react(record, Stimulus.QUARANTINE_LIFTED, None, self._seconds)
+        return react(record, Stimulus.QUARANTINE_LIFTED)
 
     def on_deadline(self, due: RequestRecord | PendingPeer) -> RequestEvent:
         """The event that moves an expired request on towards ``released``.
@@ -412,7 +412,7 @@ class Registry:
         """
         if isinstance(due, PendingPeer):
             return react_pending(due, Stimulus.DEADLINE)[0]
-        return react(due, Stimulus.DEADLINE, None, self._seconds)[0]
+        return react(due, Stimulus.DEADLINE, None)[0]
 
     # ------------------------------------------------------------------- fold
 

@@ -262,7 +262,7 @@ class Node:
         failpoint: str | None = None,
     ) -> None:
         """Commit what the core says ``stimulus`` calls for, then any release it makes due."""
-        events = react(record, stimulus, why, self.registry.deadlines)
+        events = react(record, stimulus, why)
         if not events:
             return
         await self.ledger.commit(events, stimulus.cause, failpoint=failpoint)
@@ -358,7 +358,7 @@ class Node:
 
     async def rpc_release(self, session: EngineSession, req: rpc.Release) -> rpc.Reply:
         record = self.engines.own_request(session, req.request_id, req.incarnation)
-        events = react(record, Stimulus.ENGINE_RELEASE, None, self.registry.deadlines)
+        events = react(record, Stimulus.ENGINE_RELEASE)
         await self.ledger.commit(events, Cause.ENGINE)
         if any(isinstance(e, Released) for e in events):
             return rpc.Ok(req.id)
@@ -366,7 +366,7 @@ class Node:
 
     async def rpc_abort(self, session: EngineSession, req: rpc.Abort) -> rpc.Reply:
         record = self.engines.own_request(session, req.request_id, req.incarnation)
-        events = react(record, Stimulus.ENGINE_ABORT, None, self.registry.deadlines)
+        events = react(record, Stimulus.ENGINE_ABORT)
         await self.ledger.commit(events, Cause.ENGINE)
         return rpc.Ok(req.id)
 
@@ -427,7 +427,7 @@ class Node:
         current = self.registry.get(due.request_id)
         if current is None or current != due:
             return
-        events = react(current, Stimulus.DEADLINE, None, self.registry.deadlines)
+        events = react(current, Stimulus.DEADLINE)
         if current.state is WRITING and current.request_id in self.writes:
             # Abort the NIXL transfer before saying it failed.
             await self.transfers.cancel_write(current.request_id)
