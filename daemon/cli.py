@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
@@ -63,7 +63,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     return status_run(args)
 
 
-def add_status_parser(sub: argparse._SubParsersAction) -> None:
+def add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     status = sub.add_parser(
         "status",
         help="show a running daemon's requests, engines, peers and journal",
@@ -150,7 +150,8 @@ def _attach_dash_values(argv: Sequence[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(_attach_dash_values(argv))
-    return args.func(args)
+    command: Callable[[argparse.Namespace], int] = args.func  # set_defaults(func=...)
+    return command(args)
 
 
 if __name__ == "__main__":

@@ -140,7 +140,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return EXIT_CLEAN
 
 
-def add_parsers(jsub: argparse._SubParsersAction) -> None:
+def add_parsers(jsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``verify``, ``show`` and ``stats`` under ``kvpushd journal``."""
     verify = jsub.add_parser(
         "verify", help="check a journal: exit 0 clean, 1 torn tail only, 2 corrupt"

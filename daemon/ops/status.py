@@ -95,7 +95,8 @@ def _decode_reply(path: str, body: bytes) -> dict[str, Any]:
         raise StatusUnavailable(f"{path}: {reply.code}: {reply.message}")
     if not isinstance(reply, rpc.StatusReply):
         raise StatusUnavailable(f"{path}: unexpected reply {type(reply).__name__}")
-    return msgspec.to_builtins(reply.status)
+    document: dict[str, Any] = msgspec.to_builtins(reply.status)
+    return document
 
 
 # ----------------------------------------------------------------- rendering

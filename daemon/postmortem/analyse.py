@@ -12,7 +12,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -35,6 +35,7 @@ from daemon.postmortem.vocab import (
     IntArray,
     RequestKey,
 )
+from schemas.events import DaemonStarted
 from schemas.reasons import Reason
 
 
@@ -321,10 +322,10 @@ def _refusals(
     seen: dict[str, list[Occurrence]] = defaultdict(list)
     picks = np.flatnonzero((merged.step_kind == K_REFUSED) & mask[merged.step_req])
     for j in picks:
-        node = int(merged.step_node[j])
-        reason = merged.nodes[node].reasons[int(merged.step_local[j])]
+        n = int(merged.step_node[j])
+        reason = merged.nodes[n].reasons[int(merged.step_local[j])]
         key = merged.keys[int(merged.step_req[j])]
-        seen[reason].append(Occurrence(float(merged.step_ts[j]), merged.names[node], key))
+        seen[reason].append(Occurrence(float(merged.step_ts[j]), merged.names[n], key))
     # Refusals that name no request (an engine's malformed call) pass only
     # the filters that are not about requests.
     if not filters.on_requests:
@@ -465,7 +466,8 @@ def _scan_restarts(merged: Merged) -> list[Restart]:
             continue
         position = _sorted_positions(merged, i)
         for s in starts:
-            started = node.event(int(s))
+            # DaemonStarted records are always kept (they name no request).
+            started = cast(DaemonStarted, node.event(int(s)))
             failed = []
             j = int(s) + 1
             while j < len(node.kind) and node.kind[j] == K_FAILED:

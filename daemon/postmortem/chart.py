@@ -13,7 +13,7 @@ import datetime as dt
 import math
 import re
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Final, TypedDict
 
 import numpy as np
 
@@ -38,6 +38,40 @@ def summary_class(final: str, outcome: str) -> str:
     if final == "released":
         return ST_FAILED if outcome == "failed" else ST_DONE
     return ST_REFUSED if final == "refused" else ST_STUCK
+
+
+Bar = tuple[int, float, float, str, str, str, str]
+"""A request's bar on one node: node, start, end, colour class, request, final-state
+label, and the anchor of its timeline section ('' when it is not written out)."""
+RefusalMark = tuple[int, float, str, str]
+"""A refusal: node, time, reason, request."""
+RestartMark = tuple[int, float, str]
+"""A restart: node, time, caption."""
+
+
+class Histogram(TypedDict):
+    title: str
+    count: int
+    p50: float
+    p99: float
+    max: float
+    bins: list[int]
+
+
+class ChartData(TypedDict):
+    """The JSON block the page's script reads (keys as the script spells them)."""
+
+    nodes: list[str]
+    t0: float
+    t1: float
+    utcOffset: int
+    requests: int
+    bars: list[Bar]
+    sampled: bool
+    refusals: list[RefusalMark]
+    restarts: list[RestartMark]
+    edges: list[float]
+    histograms: list[Histogram]
 
 
 def state_class(final: int, outcome: int) -> str:
@@ -95,14 +129,14 @@ def _bar_requests(analysis: Analysis, first: Sequence[int]) -> list[int]:
 # ============================================================== chart data
 
 
-def chart_data(analysis: Analysis, shown: set[int], first: Sequence[int]) -> dict[str, Any]:
+def chart_data(analysis: Analysis, shown: set[int], first: Sequence[int]) -> ChartData:
     """What the script draws: bars per (request, node), refusals, restarts, histograms.
 
     ``shown``: requests whose timeline is written out (their bars link to it);
     ``first``: requests drawn even when the chart has to sample.
     """
     merged = analysis.merged
-    bars = []
+    bars: list[Bar] = []
     for r in _bar_requests(analysis, [*first, *sorted(shown)]):
         css = state_class(int(merged.req_final[r]), int(merged.req_outcome[r]))
         key = merged.keys[r]
@@ -116,7 +150,7 @@ def chart_data(analysis: Analysis, shown: set[int], first: Sequence[int]) -> dic
             if not math.isfinite(end):
                 end = start
             bars.append(
-                [
+                (
                     n,
                     float(start),
                     float(end),
@@ -124,11 +158,11 @@ def chart_data(analysis: Analysis, shown: set[int], first: Sequence[int]) -> dic
                     key_text(key),
                     merged.label(r),
                     anchor(key) if r in shown else "",
-                ]
+                )
             )
     refusals = _refusal_marks(analysis)
-    restarts = [
-        [merged.names.index(r.node), r.ts, f"{r.node} restarted (pid {r.pid})"]
+    restarts: list[RestartMark] = [
+        (merged.names.index(r.node), r.ts, f"{r.node} restarted (pid {r.pid})")
         for r in analysis.restarts
         if r.restart
     ]
@@ -162,18 +196,18 @@ def chart_data(analysis: Analysis, shown: set[int], first: Sequence[int]) -> dic
     }
 
 
-def _refusal_marks(analysis: Analysis) -> list[list[Any]]:
-    """Every refusal step of a selected request: [node, time, reason, request]."""
+def _refusal_marks(analysis: Analysis) -> list[RefusalMark]:
+    """Every refusal step of a selected request: (node, time, reason, request)."""
     merged = analysis.merged
     mask = np.zeros(merged.requests, bool)
     mask[analysis.selected] = True
     picks = np.flatnonzero((merged.step_kind == K_REFUSED) & mask[merged.step_req])
-    marks = []
+    marks: list[RefusalMark] = []
     for j in picks[:MAX_BARS]:
         node = int(merged.step_node[j])
         reason = merged.nodes[node].reasons[int(merged.step_local[j])]
         key = merged.keys[int(merged.step_req[j])]
-        marks.append([node, float(merged.step_ts[j]), reason, key_text(key)])
+        marks.append((node, float(merged.step_ts[j]), reason, key_text(key)))
     return marks
 
 

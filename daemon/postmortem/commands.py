@@ -13,7 +13,7 @@ import gc
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, TextIO
+from typing import TYPE_CHECKING, Final, TextIO
 
 import msgspec
 
@@ -67,7 +67,7 @@ def _add_common_arguments(parser: argparse.ArgumentParser, *, request_required: 
     )
 
 
-def add_parsers(jsub: argparse._SubParsersAction) -> None:
+def add_parsers(jsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``replay``, ``timeline`` and ``report`` under ``kvpushd journal``."""
     formatter = argparse.RawDescriptionHelpFormatter
     replay_cmd = jsub.add_parser(
@@ -115,7 +115,7 @@ def add_parsers(jsub: argparse._SubParsersAction) -> None:
     report.set_defaults(func=run_report)
 
 
-def spec_from_args(args: Any) -> FilterSpec:
+def spec_from_args(args: argparse.Namespace) -> FilterSpec:
     from daemon.postmortem.filters import FilterSpec
 
     return FilterSpec(
@@ -128,7 +128,7 @@ def spec_from_args(args: Any) -> FilterSpec:
     )
 
 
-def _prepare(args: Any, details: KeepDetails | None) -> tuple[Merged, Filters]:
+def _prepare(args: argparse.Namespace, details: KeepDetails | None) -> tuple[Merged, Filters]:
     """Load, merge and resolve the filters; raises PostmortemError for what the user can fix."""
     from daemon.journal.format import JournalError
     from daemon.journal.replay import ReplayError
@@ -155,12 +155,12 @@ def _quiet_broken_pipe() -> int:
     return EXIT_OK
 
 
-def _write_json(data: Any, out: TextIO) -> None:
+def _write_json(data: object, out: TextIO) -> None:
     out.write(msgspec.json.encode(data).decode())
     out.write("\n")
 
 
-def run_replay(args: Any, out: TextIO | None = None) -> int:
+def run_replay(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from daemon.postmortem.analyse import analyse
     from daemon.postmortem.fold import no_request
     from daemon.postmortem.render_json import replay_json
@@ -185,7 +185,7 @@ def run_replay(args: Any, out: TextIO | None = None) -> int:
     return EXIT_OK
 
 
-def run_timeline(args: Any, out: TextIO | None = None) -> int:
+def run_timeline(args: argparse.Namespace, out: TextIO | None = None) -> int:
     import numpy as np
 
     from daemon.postmortem.filters import RequestMatcher, select
@@ -219,7 +219,7 @@ def run_timeline(args: Any, out: TextIO | None = None) -> int:
     return EXIT_OK
 
 
-def run_report(args: Any) -> int:
+def run_report(args: argparse.Namespace) -> int:
     from daemon.postmortem.analyse import analyse
     from daemon.postmortem.html import write_report
     from daemon.postmortem.vocab import PostmortemError

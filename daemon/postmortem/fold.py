@@ -13,7 +13,7 @@ import dataclasses
 import gc
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar, cast
 
 import msgspec
 import numpy as np
@@ -51,10 +51,12 @@ from schemas.events import (
     Registered,
     Released,
     ReleaseDeferred,
+    RequestEvent,
     WriteDone,
     decode_record,
 )
 from schemas.layout import Role
+from statemachine.registry import Registry
 
 # Kinds whose record is kept for its details (block counts, bytes, reasons);
 # the rest say all they have to say by their kind.
@@ -67,6 +69,7 @@ _KEEP: Final[tuple[bool, ...]] = tuple(
 _KEEP_FOR_ANALYSIS: Final[tuple[bool, ...]] = tuple(
     kind in (DaemonStarted, Registered, Failed, Refused) for kind in KINDS
 )
+_Int = TypeVar("_Int", bound=np.integer[Any])
 _event_encoder = msgspec.msgpack.Encoder()
 _event_decoder = msgspec.msgpack.Decoder(Event)
 
@@ -113,7 +116,7 @@ class NodeFold:
     kind: npt.NDArray[np.int8]
     req: npt.NDArray[np.int32]
     state: npt.NDArray[np.int8]
-    details: dict[int, Any]
+    details: dict[int, Event | bytes]
     keys: list[RequestKey]
     roles: npt.NDArray[np.int8]
     reasons: dict[int, str]
@@ -129,7 +132,7 @@ class NodeFold:
     def records(self) -> int:
         return len(self.seq)
 
-    def event(self, i: int) -> Any:
+    def event(self, i: int) -> Event | None:
         """The event of record ``i``, if its kind is kept (else None)."""
         found = self.details.get(i)
         if isinstance(found, bytes):
@@ -163,7 +166,8 @@ class _Columns:
         self.kind: list[int] = []
         self.req: list[int] = []
         self.pending: list[int] = []  # records that parked a peer registration
-        self.details: dict[int, Any] = {}
+        # Events until NodeFold.pack encodes them for the trip out of a worker.
+        self.details: dict[int, Event | bytes] = {}
         self.index: dict[RequestKey, int] = {}
         self.keys: list[RequestKey] = []
 
@@ -197,10 +201,17 @@ class _Columns:
             ts_append(record.ts)
             kind_append(kind)
             # Engine and daemon events, and refusals of nameless requests, are no request's.
-            if kind < first_request_kind or not event.request_id:  # type: ignore[attr-defined]
+            if kind < first_request_kind:
                 req_append(-1)
                 return
-            key = (event.request_id, event.incarnation)  # type: ignore[attr-defined]
+            if TYPE_CHECKING:
+                # The kind told request events apart above (an int compare: an
+                # isinstance here would cost the loop more); the checker is told so.
+                assert isinstance(event, RequestEvent)
+            if not event.request_id:
+                req_append(-1)
+                return
+            key = (event.request_id, event.incarnation)
             idx = index.get(key)
             if idx is None:
                 idx = index[key] = len(keys)
@@ -223,8 +234,9 @@ class _Columns:
         """Per key: pusher (registered as one, or heard of from its peer) or receiver."""
         roles = np.zeros(len(self.keys), np.int8)
         registered = np.flatnonzero((kind == K_REGISTERED) & (req >= 0))
+        # Registered records are always kept (both _KEEP lists hold them).
         roles[req[registered]] = [
-            ROLE_PUSHER if self.details[i].role is Role.PUSHER else ROLE_RECEIVER
+            ROLE_PUSHER if cast(Registered, self.details[i]).role is Role.PUSHER else ROLE_RECEIVER
             for i in registered.tolist()
         ]
         roles[req[(kind == K_PEER_REGISTERED) & (req >= 0)]] = ROLE_PUSHER
@@ -232,10 +244,11 @@ class _Columns:
 
     def reasons(self, kind: npt.NDArray[np.int8]) -> dict[int, str]:
         steps = np.flatnonzero((kind == K_FAILED) | (kind == K_REFUSED)).tolist()
-        return {i: self.details[i].reason.value for i in steps}
+        # Failed and Refused records are always kept (both _KEEP lists hold them).
+        return {i: cast("Failed | Refused", self.details[i]).reason.value for i in steps}
 
 
-def _int_array(values: list[int], code: str, dtype: type) -> Any:
+def _int_array(values: list[int], code: str, dtype: type[_Int]) -> npt.NDArray[_Int]:
     # Through array.array: numpy converts a list of Python ints element by
     # element, several times slower on a million-entry column.
     return np.frombuffer(array.array(code, values), dtype)
@@ -379,7 +392,7 @@ def fold_node(
     )
 
 
-def _unreleased(registry: Any) -> dict[RequestKey, int]:
+def _unreleased(registry: Registry) -> dict[RequestKey, int]:
     """Requests the registry still holds: live ones by state, pending ones as pending."""
     found = {(r.request_id, r.incarnation): STATE_CODE[r.state] for r in registry.live.values()}
     for pending in registry.pending.values():
@@ -412,8 +425,9 @@ def _find_rejected(
             position += 1
             continue
         event = record.event
-        rid = getattr(event, "request_id", "")
-        key = (rid, event.incarnation) if rid else None  # type: ignore[attr-defined]
+        key: RequestKey | None = None
+        if isinstance(event, RequestEvent) and event.request_id:
+            key = (event.request_id, event.incarnation)
         message = messages[len(found)] if len(found) < len(messages) else "refused on replay"
         found.append(Rejected(node, record.seq, record.ts, KIND_CODE[type(event)], key, message))
     return found

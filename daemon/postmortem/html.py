@@ -18,16 +18,17 @@ from __future__ import annotations
 import html
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 import msgspec
 
-from daemon.postmortem.analyse import Analysis
+from daemon.postmortem.analyse import Analysis, Side
 from daemon.postmortem.chart import (
     ST_DONE,
     ST_FAILED,
     ST_REFUSED,
     ST_STUCK,
+    ChartData,
     anchor,
     anomalous_requests,
     chart_data,
@@ -150,15 +151,19 @@ def _latency_section(analysis: Analysis) -> str:
     )
 
 
-def _side_text(sides: Iterable[Any]) -> str:
+def _side_text(sides: Iterable[Side]) -> str:
     return "; ".join(
         f"{s.node} {s.role}: {s.outcome}" + (f" ({s.reason})" if s.reason else "") for s in sides
     )
 
 
+_Anomalies = tuple[str, str, list[str], list[tuple[str, ...]]]
+"""One anomaly table: its CSS class (and id), title, header and rows of escaped cells."""
+
+
 def _anomaly_tables(analysis: Analysis, link: _Links) -> str:
     t = format_time
-    parts = [
+    parts: list[_Anomalies] = [
         (
             "never-released",
             "Never released",
@@ -302,7 +307,7 @@ def _timelines(merged: Merged, chosen: Sequence[int], total: int) -> str:
     return f'<section id="timelines"><h2>Request timelines</h2>{note}{body}</section>'
 
 
-def _data_block(data: dict[str, Any]) -> str:
+def _data_block(data: ChartData) -> str:
     # "</" would end the script element early; JSON allows "<\/" for it.
     text = msgspec.json.encode(data).decode().replace("</", "<\\/")
     return f'<script id="report-data" type="application/json">{text}</script>'

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -70,7 +70,12 @@ class Merged:
     def requests(self) -> int:
         return len(self.keys)
 
-    def corrected(self, node: int, ts: float | FloatArray) -> Any:
+    @overload
+    def corrected(self, node: int, ts: float) -> float: ...
+    @overload
+    def corrected(self, node: int, ts: FloatArray) -> FloatArray: ...
+    def corrected(self, node: int, ts: float | FloatArray) -> float | FloatArray:
+        """Node ``node``'s time(s) ``ts`` on the reference clock."""
         return ts - self.clocks.offsets[self.names[node]]
 
     def label(self, r: int) -> str:
@@ -106,12 +111,12 @@ def _roles(nodes: Sequence[NodeFold], maps: Sequence[IntArray], n: int) -> npt.N
 
 def _step_table(
     nodes: Sequence[NodeFold], maps: Sequence[IntArray], clocks: Clocks
-) -> tuple[Any, ...]:
+) -> tuple[npt.NDArray[Any], ...]:
     """Every request step of every node as (node, local index, request, corrected time,
     kind, state) arrays, sorted by request, then node, then the node's sequence number."""
     picks = [np.flatnonzero(node.req >= 0) for node in nodes]
 
-    def joined(column: Callable[[int, NodeFold, IntArray], Any]) -> Any:
+    def joined(column: Callable[[int, NodeFold, IntArray], npt.NDArray[Any]]) -> npt.NDArray[Any]:
         return np.concatenate(
             [column(i, n, p) for i, (n, p) in enumerate(zip(nodes, picks, strict=True))]
         )

@@ -13,12 +13,23 @@ import multiprocessing
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Final, TextIO
+from multiprocessing.context import BaseContext
+from typing import Final, Protocol, TextIO, overload
 
 from schemas.events import Record
 
 PROGRESS_EVERY: Final = 1 << 16  # records between progress updates
 PROGRESS_MIN_RECORDS: Final = 200_000  # shorter replays finish before a bar helps
+
+
+class SharedCounts(Protocol):
+    """The shared array (ctypes int64, no lock): per slot, records done then records in all."""
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __setitem__(self, index: int, value: int) -> None: ...
 
 
 class ProgressSlot:
@@ -29,7 +40,7 @@ class ProgressSlot:
     started it (shared memory can only travel at process start).
     """
 
-    def __init__(self, shared: Any, slot: int) -> None:
+    def __init__(self, shared: SharedCounts, slot: int) -> None:
         self._shared = shared
         self._slot = slot
         self._count = 0
@@ -55,16 +66,19 @@ class ProgressSlot:
         self._shared[2 * self._slot] = self._shared[2 * self._slot + 1]
 
 
-_worker_progress: Any = None
+_worker_progress: SharedCounts | None = None
 
 
-def init_worker(shared: Any) -> None:
+def init_worker(shared: SharedCounts | None) -> None:
     """A worker process's initializer: the shared array its slots point into."""
     global _worker_progress
     _worker_progress = shared
 
 
 def _worker_slot(slot: int) -> ProgressSlot:
+    # A slot is only pickled where a bar exists, so its worker got the shared array.
+    if _worker_progress is None:
+        raise RuntimeError("a progress slot reached a worker started without the shared array")
     return ProgressSlot(_worker_progress, slot)
 
 
@@ -78,7 +92,7 @@ class ProgressBar:
     INTERVAL_S = 0.2  # between redraws
 
     def __init__(self, nodes: int, stream: TextIO) -> None:
-        self.shared = worker_context().Array("q", 2 * nodes, lock=False)
+        self.shared: SharedCounts = worker_context().Array("q", 2 * nodes, lock=False)
         self._stream = stream
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
@@ -142,7 +156,7 @@ def drawing(bar: ProgressBar | None) -> Iterator[None]:
         bar.stop()
 
 
-def worker_context() -> Any:
+def worker_context() -> BaseContext:
     """fork where there is one: a worker starts in milliseconds with every module
     loaded, and re-imports nothing from ``__main__``. The parent forks before
     it starts any thread of its own (the progress bar starts after the pool).

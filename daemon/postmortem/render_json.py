@@ -19,7 +19,7 @@ def _jsonable(item: Any) -> Any:
 
 def _split_keys(data: Any) -> Any:
     if isinstance(data, dict):
-        out = {}
+        out: dict[str, object] = {}
         for name, value in data.items():
             if name == "key":
                 out["request_id"], out["incarnation"] = (None, None) if value is None else value

@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import textwrap
 from collections.abc import Callable, Sequence
-from typing import Any, TextIO
+from typing import TextIO, TypeVar
 
 from daemon.ops import texttable
 from daemon.postmortem.analyse import Analysis, Occurrence, Side
@@ -19,7 +19,10 @@ def table(header: Sequence[str], rows: Sequence[Sequence[object]], indent: str =
     return texttable.table(header, rows, indent=indent)
 
 
-def _limited(rows: list[Any], limit: int) -> tuple[list[Any], str]:
+_Row = TypeVar("_Row")
+
+
+def _limited(rows: list[_Row], limit: int) -> tuple[list[_Row], str]:
     if limit <= 0 or len(rows) <= limit:
         return rows, ""
     return rows[:limit], f"  ... and {len(rows) - limit} more (--limit, or --json for all)"

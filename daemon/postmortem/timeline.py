@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from daemon.postmortem.analyse import RequestSummary, restarts, summarize
 from daemon.postmortem.merge import Merged
@@ -17,6 +16,7 @@ from daemon.postmortem.vocab import (
     RequestKey,
 )
 from schemas.events import (
+    Event,
     Failed,
     PeerRegistered,
     PeerSettled,
@@ -54,31 +54,30 @@ def _join(counts: Iterable[int]) -> str:
     return "+".join(map(str, counts))
 
 
-def _describe(event: Any) -> tuple[str, int | None, str]:
+def _describe(event: Event | None) -> tuple[str, int | None, str]:
     """(blocks, bytes, detail text) of a step, from its record's event."""
-    kind = type(event)
-    if kind is Registered:
+    if type(event) is Registered:
         text = f"{event.role.value} on engine {event.engine_id}"
         return (
             _join(map(len, event.blocks)),
             None,
             text + (f", peer {event.peer}" if event.peer else ""),
         )
-    if kind is PeerRegistered:
+    if type(event) is PeerRegistered:
         counts = _join(map(len, event.blocks))
         return f"recv {counts}", None, f"receiver engine {event.engine_id} on {event.peer}"
-    if kind is Trimmed:
+    if type(event) is Trimmed:
         src, dst = _join(map(len, event.src)), _join(map(len, event.dst))
         before = f"src {_join(event.src_before)} -> {src}, dst {_join(event.dst_before)} -> {dst}"
         return before, None, ""
-    if kind is WriteStarted:
+    if type(event) is WriteStarted:
         return str(event.num_blocks), event.nbytes, ""
-    if kind is Failed:
+    if type(event) is Failed:
         settled = " [settled]" if event.settled else ""
         return "", None, f"{event.reason.value}: {event.message}{settled}"
-    if kind is Refused:
+    if type(event) is Refused:
         return "", None, f"refused {event.reason.value}: {event.message}"
-    if kind is PeerSettled:
+    if type(event) is PeerSettled:
         return (
             "",
             None,

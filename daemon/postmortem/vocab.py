@@ -33,11 +33,11 @@ IntArray = npt.NDArray[np.int64]
 # Event kinds as small ints (the columns store one byte per record), taken
 # from the journal's event union so a kind added there is never a KeyError
 # here; kinds that name no request (engine and daemon events) come first.
-KINDS: Final[tuple[type, ...]] = tuple(
+KINDS: Final[tuple[type[Event], ...]] = tuple(
     sorted(typing.get_args(Event), key=lambda kind: "request_id" in kind.__struct_fields__)
 )
 KIND_NAMES: Final[tuple[str, ...]] = tuple(str(k.__struct_config__.tag) for k in KINDS)
-KIND_CODE: Final[dict[type, int]] = {kind: code for code, kind in enumerate(KINDS)}
+KIND_CODE: Final[dict[type[Event], int]] = {kind: code for code, kind in enumerate(KINDS)}
 K_DAEMON_STARTED: Final = KIND_CODE[DaemonStarted]
 K_REGISTERED: Final = KIND_CODE[Registered]
 K_PEER_REGISTERED: Final = KIND_CODE[PeerRegistered]
