@@ -20,19 +20,19 @@ from pathlib import Path
 import pytest
 
 import daemon.sim.demo as demo
-from daemon.sim.demo import (
+import daemon.sim.demo_push as demo_push
+from daemon.sim.demo_plan import (
     DELIVERED_KINDS,
     PROBE_KINDS,
     REFUSED_KINDS,
-    SHM_PREFIX,
     SLOT_BLOCKS,
     WINDOW,
     Kind,
-    Outcome,
-    Progress,
     make_plan,
     refusals_per_kind,
 )
+from daemon.sim.demo_push import SHM_PREFIX, Outcome
+from daemon.sim.demo_report import Progress
 from daemon.sim.engine import SimLayout
 
 Blocks = Sequence[int]
@@ -165,7 +165,7 @@ def test_wrong_bytes_fail_the_demo(
     ) -> tuple[tuple[tuple[int, int], ...], ...]:
         return tuple(tuple(zip(d, s[: len(d)], strict=True)) for s, d in zip(src, dst, strict=True))
 
-    monkeypatch.setattr(demo, "tail_pairs", front_pairs)
+    monkeypatch.setattr(demo_push, "tail_pairs", front_pairs)  # the pusher's oracle
     workdir = tmp_path / "w"
     args = argparse.Namespace(requests=20, block_size=4096, workdir=workdir, keep=False, seed=1)
     assert demo.main(args) == 1
