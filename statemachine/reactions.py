@@ -36,11 +36,18 @@ from schemas.events import (
 from schemas.layout import Role
 from schemas.reasons import Reason
 from schemas.state import Deadlines, PendingPeer, RequestRecord, State
-from statemachine.transitions import apply, deadline_seconds, is_quarantined
-
-PUSHER, RECEIVER = Role.PUSHER, Role.RECEIVER
-REGISTERED, TRIMMED, WRITING = State.REGISTERED, State.TRIMMED, State.WRITING
-DONE, RELEASED, FAILED = State.DONE, State.RELEASED, State.FAILED
+from statemachine.transitions import (
+    DONE,
+    FAILED,
+    PUSHER,
+    RECEIVER,
+    REGISTERED,
+    TRIMMED,
+    WRITING,
+    apply,
+    deadline_seconds,
+    is_quarantined,
+)
 
 
 class Cause(enum.Enum):

@@ -29,7 +29,7 @@ from schemas.events import (
 )
 from schemas.layout import EngineLayout, GroupKind, GroupLayout, Role
 from schemas.reasons import Reason
-from schemas.state import RequestRecord, State
+from schemas.state import State
 from statemachine.notices import (
     NOTICES,
     PENDING,
@@ -39,6 +39,7 @@ from statemachine.notices import (
     on_peer_back,
 )
 from statemachine.reactions import Cause
+from tests.support.records import record
 
 P, R = Role.PUSHER, Role.RECEIVER
 C = Cause
@@ -48,21 +49,6 @@ WRITE_DONE = WriteDone("r", 1)
 RELEASED = Released("r", 1)
 STARTED = WriteStarted("r", 1, 2, 128)
 REGISTERED = Registered("r", 1, Role.RECEIVER, "e", "peer", ((4, 5),))
-
-
-def record(role: Role, state: State = State.DONE, **flags: object) -> RequestRecord:
-    return RequestRecord(
-        "r",
-        1,
-        role,
-        "e",
-        "peer",
-        state,
-        ((4, 5),),
-        0.0,
-        1.0,
-        **flags,  # type: ignore[arg-type]
-    )
 
 
 # fmt: off

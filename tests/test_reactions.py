@@ -23,7 +23,7 @@ from schemas.events import (
 )
 from schemas.layout import Role
 from schemas.reasons import Reason
-from schemas.state import Deadlines, PendingPeer, RequestRecord, State
+from schemas.state import Deadlines, PendingPeer, State
 from statemachine.reactions import (
     REACTIONS,
     Cause,
@@ -34,6 +34,7 @@ from statemachine.reactions import (
     react_pending,
 )
 from statemachine.transitions import apply, deadline_seconds
+from tests.support.records import record
 
 P, R = Role.PUSHER, Role.RECEIVER
 REG, TRIM, WRI, DONE, FAIL = (
@@ -44,21 +45,6 @@ REG, TRIM, WRI, DONE, FAIL = (
     State.FAILED,
 )
 S = Stimulus
-
-
-def record(role: Role, state: State, **flags: object) -> RequestRecord:
-    return RequestRecord(
-        "r",
-        1,
-        role,
-        "e",
-        "peer",
-        state,
-        ((1, 2),),
-        0.0,
-        10.0,
-        **flags,  # type: ignore[arg-type]
-    )
 
 
 # fmt: off

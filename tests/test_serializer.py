@@ -7,6 +7,23 @@ import asyncio
 from daemon.node.serializer import KeyedSerializer
 
 
+class Trace:
+    """Handlers that append their name when they run, some held until a gate opens."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.ran: list[str] = []
+
+    async def step(self, name: str, wait: bool = False) -> None:
+        if wait:
+            await self.gate.wait()
+        self.ran.append(name)
+
+
+async def finished(order: KeyedSerializer) -> None:
+    await asyncio.wait(list(order.inflight))
+
+
 async def test_a_handler_cancelled_while_it_waits_is_never_dispatched():
     # The engine server's old per-connection serializer suppressed every
     # BaseException around shield(predecessor), its own cancellation too: a
@@ -37,61 +54,43 @@ async def test_a_handler_cancelled_while_it_waits_is_never_dispatched():
 
 async def test_same_key_in_order_other_keys_concurrently():
     order = KeyedSerializer()
-    gate = asyncio.Event()
-    ran: list[str] = []
+    t = Trace()
 
-    async def step(name: str, wait: bool = False) -> None:
-        if wait:
-            await gate.wait()
-        ran.append(name)
-
-    order.submit(step("a1", wait=True), "a")
-    order.submit(step("a2"), "a")
-    order.submit(step("b1"), "b")
+    order.submit(t.step("a1", wait=True), "a")
+    order.submit(t.step("a2"), "a")
+    order.submit(t.step("b1"), "b")
     await asyncio.sleep(0.01)
-    assert ran == ["b1"]  # b did not wait for a
-    gate.set()
-    await asyncio.wait(list(order.inflight))
-    assert ran == ["b1", "a1", "a2"]
+    assert t.ran == ["b1"]  # b did not wait for a
+    t.gate.set()
+    await finished(order)
+    assert t.ran == ["b1", "a1", "a2"]
 
 
 async def test_a_barrier_waits_for_all_before_and_holds_all_after():
     order = KeyedSerializer()
-    gate = asyncio.Event()
-    ran: list[str] = []
+    t = Trace()
 
-    async def step(name: str, wait: bool = False) -> None:
-        if wait:
-            await gate.wait()
-        ran.append(name)
-
-    order.submit(step("a", wait=True), "a")
-    order.submit(step("barrier"), None)
-    order.submit(step("b"), "b")
+    order.submit(t.step("a", wait=True), "a")
+    order.submit(t.step("barrier"), None)
+    order.submit(t.step("b"), "b")
     await asyncio.sleep(0.01)
-    assert ran == []
-    gate.set()
-    await asyncio.wait(list(order.inflight))
-    assert ran == ["a", "barrier", "b"]
+    assert t.ran == []
+    t.gate.set()
+    await finished(order)
+    assert t.ran == ["a", "barrier", "b"]
 
 
 async def test_after_orders_a_request_behind_its_peers_own_handling():
     order = KeyedSerializer()
-    gate = asyncio.Event()
-    ran: list[str] = []
+    t = Trace()
 
-    async def step(name: str, wait: bool = False) -> None:
-        if wait:
-            await gate.wait()
-        ran.append(name)
-
-    order.submit(step("peer up", wait=True), ("peer", "p"))
-    order.submit(step("message"), ("request", "r"), after=("peer", "p"))
+    order.submit(t.step("peer up", wait=True), ("peer", "p"))
+    order.submit(t.step("message"), ("request", "r"), after=("peer", "p"))
     await asyncio.sleep(0.01)
-    assert ran == []
-    gate.set()
-    await asyncio.wait(list(order.inflight))
-    assert ran == ["peer up", "message"]
+    assert t.ran == []
+    t.gate.set()
+    await finished(order)
+    assert t.ran == ["peer up", "message"]
 
 
 async def test_a_failed_predecessor_does_not_stop_its_successor():

@@ -538,7 +538,7 @@ def lifecycle_problems(records: list[Record]) -> list[str]:
     """What is wrong with one request's journaled events, by rules stated here.
 
     Deliberately not the core's transition table: an oracle must not share
-    the logic it checks. The rules are the lifecycle of DESIGN.md.
+    the logic it checks. The rules are the lifecycle of ARCHITECTURE.md.
     """
     names = [type(r.event).__name__ for r in records]
     problems = [
