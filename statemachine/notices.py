@@ -211,8 +211,10 @@ def final_word(record: RequestRecord) -> list[pm.PeerMessage]:
     """A pusher's final word to a receiver that cancelled or reconnected.
 
     While writing there is none yet: the write ends as done or failed and the
-    receiver hears which then.
+    receiver hears which then. A receiver has no final word to give.
     """
+    if record.role is not PUSHER:
+        return []
     rid, inc = record.request_id, record.incarnation
     if record.state is DONE:
         return [pm.WriteDone(rid, inc)]

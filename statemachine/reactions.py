@@ -113,6 +113,23 @@ def awaiting_data(record: RequestRecord) -> bool:
     return record.role is RECEIVER and record.state in (REGISTERED, WRITING)
 
 
+class Next(enum.Enum):
+    """What a pusher's request needs from the daemon next."""
+
+    TRIM = "trim"  # both registrations are known
+    WRITE = "write"  # trimmed, and the engine said the KV is ready
+
+
+def pusher_next(record: RequestRecord) -> Next | None:
+    if record.role is not PUSHER:
+        return None
+    if record.state is REGISTERED and record.remote_blocks is not None:
+        return Next.TRIM
+    if record.state is TRIMMED and record.kv_ready:
+        return Next.WRITE
+    return None
+
+
 _NO_WHY: Final = Why()
 # A release previews the failure it may journal first, only to see whether
 # the record stays quarantined; the deadline that preview computes is unused.

@@ -30,6 +30,7 @@ from schemas.events import (
     EngineDetached,
     Event,
     Failed,
+    KvReady,
     PeerRegistered,
     Refused,
     Registered,
@@ -354,6 +355,12 @@ class Registry:
         if per_logical < 1:
             raise Refusal(Reason.BLOCK_OUT_OF_RANGE, f"per_logical must be >= 1, got {per_logical}")
         return PeerRegistered(request_id, incarnation, peer, engine_id, blocks, per_logical)
+
+    def check_kv_ready(self, record: RequestRecord) -> KvReady:
+        """The prefill engine's word that the KV is computed: pushers only."""
+        if record.role is not PUSHER:
+            raise Refusal(Reason.ROLE_MISMATCH, f"request {record.request_id} is a receiver here")
+        return KvReady(record.request_id, record.incarnation)
 
     def plan_trim(self, request_id: str, incarnation: int) -> Trimmed:
         """Pair the pusher's blocks with the receiver's; raises TrimRefused."""

@@ -27,9 +27,11 @@ from schemas.state import Deadlines, PendingPeer, State
 from statemachine.reactions import (
     REACTIONS,
     Cause,
+    Next,
     Stimulus,
     Why,
     awaiting_data,
+    pusher_next,
     react,
     react_pending,
 )
@@ -189,3 +191,23 @@ def test_awaiting_data_is_a_receiver_before_its_data():
     assert awaiting_data(record(R, REG)) and awaiting_data(record(R, WRI))
     assert not awaiting_data(record(R, DONE)) and not awaiting_data(record(R, FAIL))
     assert not awaiting_data(record(P, REG))
+
+
+# fmt: off
+NEXT = [
+    # role  state  flags                                        -> next step
+    (P,     REG,   {},                                          None),
+    (P,     REG,   {"remote_blocks": ((1,),)},                  Next.TRIM),
+    (P,     REG,   {"remote_blocks": ((1,),), "kv_ready": True}, Next.TRIM),
+    (P,     TRIM,  {},                                          None),
+    (P,     TRIM,  {"kv_ready": True},                          Next.WRITE),
+    (P,     WRI,   {"kv_ready": True},                          None),
+    (R,     REG,   {"remote_blocks": ((1,),)},                  None),
+    (R,     WRI,   {"kv_ready": True},                          None),
+]
+# fmt: on
+
+
+@pytest.mark.parametrize(("role", "state", "flags", "step"), NEXT)
+def test_a_pusher_trims_once_both_sides_are_known_and_writes_once_ready(role, state, flags, step):
+    assert pusher_next(record(role, state, **flags)) is step

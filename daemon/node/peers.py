@@ -213,8 +213,6 @@ class Peers:
             else:
                 self.tell_peer(node, no_write_here(msg))
             return
-        if record.role is not PUSHER:
-            return
         # Invariant 2: never start a write the receiver has cancelled. Once
         # the request ended, the receiver gets the final word again.
         events = react(record, Stimulus.PEER_CANCEL)
@@ -247,10 +245,10 @@ class Peers:
     async def _receiver_hears(
         self, request_id: str, incarnation: int, stimulus: Stimulus, why: Why | None = None
     ) -> None:
-        record = self.node.registry.get(request_id)
-        if record is None or record.incarnation != incarnation or record.role is not RECEIVER:
-            return
-        await self.node.react(record, stimulus, why)
+        # The table has rows for receivers only: a pusher's record ignores these.
+        record = self.node.current(request_id, incarnation)
+        if record is not None:
+            await self.node.react(record, stimulus, why)
 
     async def _on_engines(self, node: str, msg: pm.Engines) -> None:
         await self.peer_engines(node, msg.engines, msg.agent_metadata)

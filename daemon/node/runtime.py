@@ -42,7 +42,7 @@ from daemon.node.windows import Windows
 from schemas import peer as pm
 from schemas import rpc
 from schemas.config import Config
-from schemas.events import DaemonStarted, Event, KvReady, Refused, Registered, Released
+from schemas.events import DaemonStarted, Event, Refused, Registered, Released, RequestEvent
 from schemas.layout import Role
 from schemas.reasons import Reason
 from schemas.state import PendingPeer, RequestRecord, State
@@ -187,11 +187,12 @@ class Node:
         deadline = loop.time() + self.config.drain_s
         while self.writes and loop.time() < deadline:
             await asyncio.sleep(0.01)
+        why = Why(Reason.DAEMON_RESTART, "daemon stopped during the write")
         for rid in list(self.writes):
             await self.transfers.cancel_write(rid)
             record = self.registry.get(rid)
-            if record is not None and record.state is WRITING:
-                why = Why(Reason.DAEMON_RESTART, "daemon stopped during the write")
+            if record is not None:
+                # Still writing: it fails; if it ended meanwhile, the core calls for nothing.
                 await self.react(record, Stimulus.FAILURE, why)
 
     async def close(self) -> None:
@@ -260,13 +261,23 @@ class Node:
         why: Why | None = None,
         *,
         failpoint: str | None = None,
-    ) -> None:
-        """Commit what the core says ``stimulus`` calls for, then any release it makes due."""
+    ) -> list[RequestEvent]:
+        """Commit what the core says ``stimulus`` calls for, then any release it makes due.
+
+        Returns the events committed (none: the stimulus called for nothing).
+        """
         events = react(record, stimulus, why)
-        if not events:
-            return
-        await self.ledger.commit(events, stimulus.cause, failpoint=failpoint)
-        await self.transfers.follow_up(record.request_id)
+        if events:
+            await self.ledger.commit(events, stimulus.cause, failpoint=failpoint)
+            await self.transfers.follow_up(record.request_id)
+        return events
+
+    def current(self, request_id: str, incarnation: int) -> RequestRecord | None:
+        """The live record of exactly this incarnation, if any (after an await, say)."""
+        record = self.registry.get(request_id)
+        if record is None or record.incarnation != incarnation:
+            return None
+        return record
 
     def _fail_after_restart(self) -> None:
         """Requests caught mid-flight by a restart fail; their memory is gone."""
@@ -347,9 +358,7 @@ class Node:
 
     async def rpc_kv_ready(self, session: EngineSession, req: rpc.KvReady) -> rpc.Reply:
         record = self.engines.own_request(session, req.request_id, req.incarnation)
-        if record.role is not PUSHER:
-            raise Refusal(Reason.ROLE_MISMATCH, f"request {req.request_id} is a receiver here")
-        ready = self.ledger.commit([KvReady(req.request_id, req.incarnation)], Cause.ENGINE)
+        ready = self.ledger.commit([self.registry.check_kv_ready(record)], Cause.ENGINE)
         # Advance before waiting: its trimmed/writing records join the same
         # group commit as kv_ready, saving one fsync on the critical path.
         self.spawn(self.transfers.advance(req.request_id))
@@ -428,11 +437,11 @@ class Node:
         if current is None or current != due:
             return
         events = react(current, Stimulus.DEADLINE)
-        if current.state is WRITING and current.request_id in self.writes:
-            # Abort the NIXL transfer before saying it failed.
+        if current.request_id in self.writes:
+            # Abort the NIXL transfer before saying it failed; if the write
+            # ended meanwhile, the record moved on and this deadline is moot.
             await self.transfers.cancel_write(current.request_id)
-            current = self.registry.get(due.request_id)
-            if current is None or current.state is not WRITING:
+            if self.registry.get(due.request_id) != due:
                 return
         elif any(getattr(e, "fenced", False) for e in events):
             # Fence the peer before declaring no write can land any more.

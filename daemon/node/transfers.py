@@ -21,7 +21,7 @@ from schemas.layout import Role
 from schemas.reasons import Reason
 from schemas.state import RequestRecord, State
 from statemachine import TrimRefused
-from statemachine.reactions import Cause, Stimulus, Why, awaiting_data, react
+from statemachine.reactions import Cause, Next, Stimulus, Why, awaiting_data, pusher_next, react
 
 if TYPE_CHECKING:
     from daemon.node.ledger import Commit
@@ -57,7 +57,7 @@ class Transfers:
 
     def observe(self, event: Event, touched: object, ts: float) -> None:
         """Ledger observer: keep the set of receivers awaiting data in step with the core."""
-        if not isinstance(touched, RequestRecord) or touched.role is not RECEIVER:
+        if not isinstance(touched, RequestRecord):
             return
         had = bool(self.awaiting)
         if awaiting_data(touched):
@@ -82,9 +82,9 @@ class Transfers:
         """Pusher: trim once both sides are known, write once the KV is ready."""
         node = self.node
         record = node.registry.get(request_id)
-        if record is None or record.role is not PUSHER:
+        if record is None:
             return
-        if record.state is REGISTERED and record.remote_blocks is not None:
+        if pusher_next(record) is Next.TRIM:
             try:
                 trimmed = node.registry.plan_trim(record.request_id, record.incarnation)
             except TrimRefused as refusal:
@@ -110,7 +110,7 @@ class Transfers:
                 record = node.registry.get(request_id)
                 if record is None:
                     return
-        if record.state is TRIMMED and record.kv_ready and request_id not in self.writes:
+        if pusher_next(record) is Next.WRITE and request_id not in self.writes:
             self._start_write(record)
 
     def _start_write(self, record: RequestRecord) -> None:
@@ -158,17 +158,20 @@ class Transfers:
             self.writes.pop(rid, None)
             node.counters["writes_failed"] += 1
             reason = Reason.PEER_DEAD if isinstance(exc, PeerGone) else Reason.TRANSFER_ERROR
-            current = node.registry.get(rid)
-            if current is not None and current.state is WRITING:
+            current = node.current(rid, inc)
+            if current is not None:
                 await node.react(current, Stimulus.FAILURE, Why(reason, str(exc)))
             return
         self.writes.pop(rid, None)
-        current = node.registry.get(rid)
-        if current is None or current.state is not WRITING:
+        current = node.current(rid, inc)
+        if current is None:
             return
-        node.counters["writes_done"] += 1
-        node.counters["bytes_written"] += nbytes
-        await node.react(current, Stimulus.WRITE_COMPLETED, failpoint="node.write_done")
+        # Counted once the core accepts it: a request failed meanwhile (its
+        # deadline) does not count its late write as done.
+        completed = node.react(current, Stimulus.WRITE_COMPLETED, failpoint="node.write_done")
+        if await completed:
+            node.counters["writes_done"] += 1
+            node.counters["bytes_written"] += nbytes
 
     async def cancel_write(self, request_id: str) -> None:
         """Abort the NIXL transfer of a write task and wait until it has stopped."""
@@ -197,7 +200,6 @@ class Transfers:
         self.node.spawn(self._arrived(key[0], key[1]))
 
     async def _arrived(self, request_id: str, incarnation: int) -> None:
-        record = self.node.registry.get(request_id)
-        if record is None or record.incarnation != incarnation:
-            return
-        await self.node.react(record, Stimulus.DATA_LANDED, failpoint="node.kv_arrived")
+        record = self.node.current(request_id, incarnation)
+        if record is not None:
+            await self.node.react(record, Stimulus.DATA_LANDED, failpoint="node.kv_arrived")
