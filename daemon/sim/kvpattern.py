@@ -16,7 +16,7 @@ compare equal. Filling a MiB block costs one small generator draw and a few
 doubling memcpys.
 
 Everything here is pure numpy over caller-provided buffers; the shared-memory
-plumbing lives in :mod:`daemon.sim.engine`.
+plumbing lives in :mod:`daemon.sim.engine_shm`.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -86,11 +87,18 @@ def free_port() -> int:
 def write_secret(path: Path, secret: bytes | None = None) -> None:
     """A secret file, created 0600 (never world-readable, not even briefly).
 
-    ``secret`` defaults to a fresh random one.
+    ``secret`` defaults to a fresh random one. The file appears whole or not
+    at all (written aside, then linked into place), so a daemon started
+    meanwhile never reads it half written; FileExistsError if it exists.
     """
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write((secret or secrets.token_hex(32).encode()) + b"\n")
+    aside = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write((secret or secrets.token_hex(32).encode()) + b"\n")
+        os.link(aside, path)
+    finally:
+        os.unlink(aside)
 
 
 def toml_string(text: str) -> str:
@@ -152,7 +160,10 @@ class Daemon:
 
     def write_config(self) -> Path:
         if not self.secret_path.exists():
-            write_secret(self.secret_path, TEST_SECRET)
+            # Daemons of one folder may be started from several threads at once:
+            # the first one writes the (same) test secret.
+            with contextlib.suppress(FileExistsError):
+                write_secret(self.secret_path, TEST_SECRET)
         lines = [
             f"node = {toml_string(self.node)}",
             f"socket = {toml_string(self.socket)}",
