@@ -93,6 +93,8 @@ NOTICES: Final[Mapping[tuple[Role | str, type, Cause], Owed]] = MappingProxyType
 # fmt: on
 
 NOBODY: Final = Owed(None, None)
+# The event types some row tells of: any other event owes nothing, whoever caused it.
+TOLD_OF: Final = frozenset(kind for _, kind, _ in NOTICES)
 
 Message = rpc.Event | pm.PeerMessage
 

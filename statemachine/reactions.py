@@ -59,6 +59,10 @@ class Cause(enum.Enum):
     DAEMON = "daemon"  # this daemon decided (trim, write, data landed, deadline, follow-up)
     RESTART = "restart"  # found mid-flight after a restart: told when engines and peers return
 
+    # Members are singletons compared by identity: hash them as such, in C
+    # (Enum's own __hash__ is Python code, and the tables are looked up per event).
+    __hash__ = object.__hash__
+
 
 class Stimulus(enum.Enum):
     ENGINE_ABORT = "engine_abort"
@@ -74,6 +78,8 @@ class Stimulus(enum.Enum):
     QUARANTINE_LIFTED = "quarantine_lifted"  # a deferred release may now be carried out
     WRITE_COMPLETED = "write_completed"  # pusher: NIXL reported the WRITE done
     FAILURE = "failure"  # this daemon gave up (trim refused, transfer error, engine gone, drain)
+
+    __hash__ = object.__hash__  # as Cause's
 
     @property
     def cause(self) -> Cause:
@@ -111,6 +117,11 @@ class Why(NamedTuple):
 def awaiting_data(record: RequestRecord) -> bool:
     """A receiver whose KV has neither arrived nor been given up."""
     return record.role is RECEIVER and record.state in (REGISTERED, WRITING)
+
+
+def release_may_be_due(record: RequestRecord) -> bool:
+    """Whether a QUARANTINE_LIFTED reaction can call for anything: a release is deferred."""
+    return record.release_pending
 
 
 class Next(enum.Enum):

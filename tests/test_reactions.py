@@ -34,6 +34,7 @@ from statemachine.reactions import (
     pusher_next,
     react,
     react_pending,
+    release_may_be_due,
 )
 from statemachine.transitions import apply, deadline_seconds
 from tests.support.records import record
@@ -211,3 +212,15 @@ NEXT = [
 @pytest.mark.parametrize(("role", "state", "flags", "step"), NEXT)
 def test_a_pusher_trims_once_both_sides_are_known_and_writes_once_ready(role, state, flags, step):
     assert pusher_next(record(role, state, **flags)) is step
+
+
+def test_a_lifted_quarantine_calls_for_nothing_unless_a_release_was_deferred():
+    # The shell skips the QUARANTINE_LIFTED reaction when release_may_be_due
+    # says no: that must never skip a release the table would call for.
+    for role, state in itertools.product(Role, State):
+        if state is State.RELEASED:
+            continue
+        for flags in ({}, {"settled": True}):
+            r = record(role, state, **flags)
+            assert not release_may_be_due(r)
+            assert react(r, S.QUARANTINE_LIFTED) == []

@@ -33,7 +33,7 @@ from schemas import rpc
 from schemas.events import FORMAT_VERSION, Event, Failed, Record, Refused, encode_record
 from schemas.state import RequestRecord
 from statemachine import Registry
-from statemachine.notices import Notice, notices
+from statemachine.notices import TOLD_OF, Notice, notices
 from statemachine.reactions import Cause
 
 log = structlog.get_logger("kvpushd.node")
@@ -153,7 +153,7 @@ class Ledger:
             record, touched = self._append_logged(event)
             seq = record.seq
             records.append((event, touched))
-            if hasattr(event, "request_id"):
+            if type(event) in TOLD_OF:
                 owed.extend(
                     notices(
                         touched if isinstance(touched, RequestRecord) else None,
@@ -234,7 +234,8 @@ class Ledger:
 
     async def _finish(self, commit: Commit) -> None:
         if commit.seq:
-            await self.durable(commit.seq)
+            assert self.group is not None, "a ledger without a group commit never waits"
+            await self.group.durable(commit.seq)
         if commit.failpoint is not None:
             failpoints.hit(commit.failpoint)
         for event, touched in commit.records:

@@ -21,7 +21,16 @@ from schemas.layout import Role
 from schemas.reasons import Reason
 from schemas.state import RequestRecord, State
 from statemachine import TrimRefused
-from statemachine.reactions import Cause, Next, Stimulus, Why, awaiting_data, pusher_next, react
+from statemachine.reactions import (
+    Cause,
+    Next,
+    Stimulus,
+    Why,
+    awaiting_data,
+    pusher_next,
+    react,
+    release_may_be_due,
+)
 
 if TYPE_CHECKING:
     from daemon.node.ledger import Commit
@@ -70,7 +79,7 @@ class Transfers:
     async def follow_up(self, request_id: str) -> None:
         """Carry out a deferred release once the quarantine lifts."""
         record = self.node.registry.get(request_id)
-        if record is None:
+        if record is None or not release_may_be_due(record):
             return
         events = react(record, Stimulus.QUARANTINE_LIFTED)
         if events:
