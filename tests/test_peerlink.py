@@ -27,6 +27,7 @@ from daemon.node.peerauth import (
     PREAUTH_FRAME_BYTES,
     LinkReason,
     PeerRejected,
+    PeerUnreachable,
     SecretFileError,
     auth_mac,
     load_secret,
@@ -850,6 +851,180 @@ async def test_sigstopped_peer_declared_dead_once_then_comes_back(cluster: Clust
         for child in children:
             child.kill()
             child.wait()
+
+
+# --------------------------------------------------------------------------
+# peers on demand: not configured, dialed by the side that needs the link
+
+ON_DEMAND: dict[str, Any] = {"accept_unlisted": True, "connect_timeout_s": 1.0}
+
+
+async def test_on_demand_dial_admitted_by_the_secret_alone(cluster: Cluster) -> None:
+    # Neither lists the other; "z" dials "a" although it sorts higher.
+    a, ra = await cluster.start("a", [], **ON_DEMAND)
+    z, rz = await cluster.start("z", [], listen="", **ON_DEMAND)
+    link = await z.connect("a", f"127.0.0.1:{a.listen_port}")
+    assert link.node == "a" and z.is_up("a")
+    await eventually(lambda: a.is_up("z") and bool(rz.ups))
+    assert ra.ups == [("z", "z-boot-1")] and rz.ups == [("a", "a-boot-1")]
+    (za,) = z.links
+    assert (za.node, za.address, za.up, za.direction, za.on_demand) == (
+        "a",
+        f"127.0.0.1:{a.listen_port}",
+        True,
+        "dialed",
+        True,
+    )
+    (az,) = a.links
+    assert (az.node, az.address, az.direction, az.on_demand) == ("z", "", "accepted", True)
+    # Messages flow both ways; a second connect reuses the link.
+    assert z.send("a", forward(1)) and a.send("z", forward(2))
+    await eventually(lambda: bool(ra.messages and rz.messages))
+    assert await z.connect("a", "127.0.0.1:1") is link
+
+
+async def test_unlisted_dialer_refused_without_accept_unlisted(cluster: Cluster) -> None:
+    a, ra = await cluster.start("a", [])
+    z, _ = await cluster.start("z", [], listen="", **ON_DEMAND)
+    with pytest.raises(PeerUnreachable) as refused:
+        await z.connect("a", f"127.0.0.1:{a.listen_port}")
+    assert refused.value.reason == f"peer:{LinkReason.UNKNOWN_NODE}"
+    assert ra.ups == [] and not z.is_up("a")
+
+
+@pytest.mark.parametrize(
+    ("dialer", "reason"),
+    [
+        ("c", LinkReason.WRONG_DIRECTION),  # configured: the static rule still holds
+        ("b", LinkReason.UNKNOWN_NODE),  # ourselves
+    ],
+)
+async def test_accept_unlisted_keeps_the_static_rules(
+    cluster: Cluster, dialer: str, reason: str
+) -> None:
+    b, rb = await cluster.start("b", [PeerConfig("c", NOWHERE)], **ON_DEMAND)
+    raw = await Raw.connect(b.listen_port)
+    challenge = await raw.recv()
+    assert isinstance(challenge, Challenge)
+    raw.send(
+        Answer(
+            dialer, secrets.token_bytes(32), auth_mac(SECRET, b"dial", challenge.nonce, dialer, "b")
+        )
+    )
+    assert await goodbye_reason(raw) == reason
+    assert rb.ups == []
+
+
+async def test_unlisted_dialer_with_a_wrong_mac_refused(cluster: Cluster) -> None:
+    b, rb = await cluster.start("b", [], **ON_DEMAND)
+    raw = await Raw.connect(b.listen_port)
+    challenge = await raw.recv()
+    assert isinstance(challenge, Challenge)
+    mac = auth_mac(b"another-secret-0123456789", b"dial", challenge.nonce, "mallory", "b")
+    raw.send(Answer("mallory", secrets.token_bytes(32), mac))
+    assert await goodbye_reason(raw) == LinkReason.AUTH_FAILED
+    assert rb.ups == []
+
+
+async def test_on_demand_dial_with_a_wrong_secret_fails_typed(cluster: Cluster) -> None:
+    a, ra = await cluster.start("a", [], **ON_DEMAND)
+    z, rz = await cluster.start("z", [], listen="", secret=b"not-the-cluster-secret", **ON_DEMAND)
+    with pytest.raises(PeerUnreachable) as refused:
+        await z.connect("a", f"127.0.0.1:{a.listen_port}")
+    assert refused.value.reason == f"peer:{LinkReason.AUTH_FAILED}"
+    assert ra.ups == rz.ups == [] and not z.is_up("a")
+
+
+async def test_on_demand_dial_to_nobody_fails_at_once(cluster: Cluster) -> None:
+    z, _ = await cluster.start("z", [], listen="", **ON_DEMAND)
+    with pytest.raises(PeerUnreachable) as refused:
+        await z.connect("a", "127.0.0.1:1")
+    assert refused.value.reason == LinkReason.CONNECT_FAILED
+    with pytest.raises(PeerUnreachable) as bad:
+        await z.connect("a", "no-port")
+    assert bad.value.reason == "bad_address"
+    with pytest.raises(PeerUnreachable) as itself:
+        await z.connect("z", "127.0.0.1:1")
+    assert itself.value.reason == LinkReason.UNKNOWN_NODE
+
+
+async def test_on_demand_dial_to_a_silent_listener_is_bounded(cluster: Cluster) -> None:
+    # Something accepts TCP at the address but never says Challenge.
+    silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    z, _ = await cluster.start("z", [], listen="", **{**ON_DEMAND, "connect_timeout_s": 0.3})
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        with pytest.raises(PeerUnreachable) as refused:
+            await z.connect("a", f"127.0.0.1:{port}")
+    finally:
+        silent.close()
+    assert refused.value.reason == LinkReason.HANDSHAKE_TIMEOUT
+    assert 0.25 <= loop.time() - started < 1.5
+
+
+async def test_concurrent_connects_share_one_dial(cluster: Cluster) -> None:
+    a, ra = await cluster.start("a", [], **ON_DEMAND)
+    z, _ = await cluster.start("z", [], listen="", **ON_DEMAND)
+    address = f"127.0.0.1:{a.listen_port}"
+    links = await asyncio.gather(*(z.connect("a", address) for _ in range(5)))
+    assert all(link is links[0] for link in links)
+    await eventually(lambda: bool(ra.ups))
+    await asyncio.sleep(0.1)
+    assert len(ra.ups) == 1
+
+
+async def test_idle_on_demand_link_closes_and_is_not_redialed(cluster: Cluster) -> None:
+    needed = {"a": True}
+    a, ra = await cluster.start("a", [], **ON_DEMAND)
+    z, rz = await cluster.start(
+        "z", [], listen="", idle_close_s=0.3, in_use=needed.__getitem__, **ON_DEMAND
+    )
+    await z.connect("a", f"127.0.0.1:{a.listen_port}")
+    await eventually(lambda: a.is_up("z"))
+    await asyncio.sleep(0.8)  # in use: kept well past idle_close_s
+    assert z.is_up("a") and a.is_up("z")
+    needed["a"] = False
+    await eventually(lambda: not z.is_up("a") and not a.is_up("z"))
+    assert rz.downs == [("a", LinkReason.IDLE)]
+    assert ra.downs == [("z", f"peer:{LinkReason.IDLE}")]
+    await asyncio.sleep(0.5)  # nobody redials
+    assert len(ra.ups) == len(rz.ups) == 1 and z.links == ()
+    # The next need dials again.
+    await z.connect("a", f"127.0.0.1:{a.listen_port}")
+    assert len(rz.ups) == 2
+
+
+async def test_accepted_on_demand_link_is_not_closed_as_idle_by_the_acceptor(
+    cluster: Cluster,
+) -> None:
+    a, ra = await cluster.start("a", [], idle_close_s=0.2, in_use=lambda node: False, **ON_DEMAND)
+    z, _ = await cluster.start("z", [], listen="", idle_close_s=0, **ON_DEMAND)
+    await z.connect("a", f"127.0.0.1:{a.listen_port}")
+    await asyncio.sleep(0.8)
+    assert a.is_up("z") and z.is_up("a") and ra.downs == []
+
+
+async def test_both_sides_dialing_at_once_keep_the_lower_names_link(cluster: Cluster) -> None:
+    a, ra = await cluster.start("a", [], **ON_DEMAND)
+    b, rb = await cluster.start("b", [], **ON_DEMAND)
+    await asyncio.gather(
+        a.connect("b", f"127.0.0.1:{b.listen_port}"),
+        b.connect("a", f"127.0.0.1:{a.listen_port}"),
+    )
+    await eventually(
+        lambda: (
+            (al := a.link("b")) is not None
+            and al.direction.value == "dialed"
+            and (bl := b.link("a")) is not None
+            and bl.direction.value == "accepted"
+        )
+    )
+    await asyncio.sleep(0.3)
+    # Every link announced was also taken down once, except the one kept.
+    assert len(ra.ups) - len(ra.downs) == 1 and len(rb.ups) - len(rb.downs) == 1
+    assert a.is_up("b") and b.is_up("a")
 
 
 # --------------------------------------------------------------------------

@@ -55,7 +55,7 @@ class LinkReason(enum.StrEnum):
     """
 
     AUTH_FAILED = "auth_failed"  # a MAC did not verify: the secrets differ
-    UNKNOWN_NODE = "unknown_node"  # the dialer is not a configured peer
+    UNKNOWN_NODE = "unknown_node"  # the dialer is not a configured peer (or names us)
     UNEXPECTED_NODE = "unexpected_node"  # the acceptor is not the peer we dialed
     WRONG_DIRECTION = "wrong_direction"  # the dialer's name sorts after ours
     PROTOCOL_MISMATCH = "protocol_mismatch"
@@ -69,6 +69,9 @@ class LinkReason(enum.StrEnum):
     INTERNAL_ERROR = "internal_error"  # a daemon callback raised
     SHUTDOWN = "shutdown"  # PeerManager.close()
     BUSY = "busy"  # too many inbound connections authenticating at once
+    IDLE = "idle"  # an on-demand link no live request needed for idle_close_s
+    DUPLICATE = "duplicate"  # both sides dialed at once: the lower name's connection stays
+    CONNECT_FAILED = "connect_failed"  # an on-demand dial found nobody at the address
 
 
 class Direction(enum.StrEnum):
@@ -96,6 +99,22 @@ class LinkAborted(PeerLinkError):
 
 class PeerAuthError(LinkAborted):
     """The peer failed authentication (or we could not authenticate to it)."""
+
+
+class PeerUnreachable(PeerLinkError):
+    """An on-demand dial did not give an authenticated link (see PeerManager.connect).
+
+    ``reason`` is a :class:`LinkReason` value (``connect_failed``,
+    ``handshake_timeout``, ``auth_failed``...), ``"peer:" + reason`` when the
+    peer refused us, or the reason the daemon's ``on_up`` refused the peering.
+    """
+
+    def __init__(self, node: str, address: str, reason: str, message: str) -> None:
+        super().__init__(f"cannot link to peer {node!r} at {address}: {reason}: {message}")
+        self.node = node
+        self.address = address
+        self.reason = reason
+        self.message = message
 
 
 class PeerRejected(PeerLinkError):

@@ -25,7 +25,7 @@ Connection lifecycle, both directions:
    ``on_up`` returned normally.
 
 Anything unexpected (a message out of order, a wrong MAC, a node name not
-configured, a protocol mismatch, a timeout, an oversized or undecodable frame,
+admitted, a protocol mismatch, a timeout, an oversized or undecodable frame,
 an unknown tag) closes that one connection with ``Goodbye(reason, message)``
 where the socket still allows it, and is logged; the manager keeps serving.
 
@@ -33,12 +33,25 @@ Before authentication frames are limited to PREAUTH_FRAME_BYTES and at most
 MAX_PENDING_HANDSHAKES inbound connections may be authenticating at once, so
 an anonymous client cannot make the daemon buffer much or hold many tasks.
 
-One link per peer pair: only the node whose name sorts lower dials; the other
-only accepts (and refuses a dial from a node that sorts higher than itself).
-That makes duplicate links impossible without a tie-break protocol. A newer
-authenticated connection from a peer replaces an older one (the old one is
-closed with reason ``replaced``): the peer only dials when it has no link, so
-the older one is a half-open leftover of a peer that restarted.
+One link per peer pair. Between configured peers (``[[peers]]``) only the
+node whose name sorts lower dials; the other only accepts (and refuses a dial
+from a configured peer that sorts higher than itself). That makes duplicate
+links impossible without a tie-break protocol. A newer authenticated
+connection from a peer replaces an older one (the old one is closed with
+reason ``replaced``): the peer only dials when it has no link, so the older
+one is a half-open leftover of a peer that restarted.
+
+Peers on demand (README.md): with ``accept_unlisted`` the acceptor also admits
+a dialer that is not configured, whatever its name sorts as; the MAC over the
+cluster secret is what admits it (only its own name is refused). The side
+that needs such a peer dials it with :meth:`PeerManager.connect`: one attempt
+(concurrent callers share it), bounded by ``connect_timeout_s``, never retried
+by the manager. A link dialed so is closed with reason ``idle`` once
+``in_use(node)`` has been false and no message but heartbeats has passed for
+``idle_close_s``; the acceptor leaves idle closing to the dialer. If both
+sides of one peer process pair dial at once (same boot id, opposite
+directions) each keeps the connection the lower name dialed and closes the
+other (``duplicate``) before announcing it, or replaces its announced one.
 """
 
 from __future__ import annotations
@@ -60,6 +73,7 @@ from daemon.node.peerauth import (
     LinkReason,
     PeerAuthError,
     PeerRejected,
+    PeerUnreachable,
     Wire,
     accept_auth,
     dial_auth,
@@ -124,6 +138,9 @@ class PeerLink:
         peer_ttl_s: float,
         on_message: OnMessage,
         on_closed: Callable[[PeerLink, str], None],
+        on_demand_address: str = "",
+        idle_close_s: float = 0.0,
+        in_use: Callable[[], bool] | None = None,
     ) -> None:
         self._wire = wire
         self._hello = hello
@@ -137,6 +154,14 @@ class PeerLink:
         self._log = _log.bind(peer=hello.node, boot_id=hello.boot_id, direction=direction.value)
         self.last_heard = self._loop.time()
         self.opened_at = self.last_heard
+        # The address this node dialed on demand ("" for a configured peer or
+        # an accepted link); such a link closes itself once idle.
+        self.on_demand_address = on_demand_address
+        self._idle_close_s = idle_close_s if on_demand_address else 0.0
+        self._in_use = in_use
+        # Loop time a message other than a heartbeat last passed, either way,
+        # or in_use() last said a request needs the peer.
+        self.last_active = self.last_heard
         self.closed_at: float | None = None
         self.close_reason = ""
         # True between a normal return of on_up and on_down: on_down is owed.
@@ -180,6 +205,8 @@ class PeerLink:
         """
         if self.closed:
             return False
+        if not isinstance(message, Heartbeat):
+            self.last_active = self._loop.time()
         if not self._wire.send(message):
             self.close(LinkReason.PEER_CLOSED, "socket closed", notify_peer=False)
             return False
@@ -228,6 +255,7 @@ class PeerLink:
     def _dispatch(self, message: PeerMessage) -> None:
         if isinstance(message, Heartbeat):
             return  # last_heard is all it is for
+        self.last_active = self.last_heard
         if isinstance(message, Goodbye):
             self._log.info("peer_goodbye", peer_reason=message.reason, detail=message.message)
             self.close(f"peer:{message.reason}", message.message, notify_peer=False)
@@ -261,6 +289,11 @@ class PeerLink:
                 self.close(LinkReason.PEER_TTL, f"nothing heard for {silent:.3f}s")
                 return
             yielded = False
+            if self._idle_for(now) >= self._idle_close_s > 0:
+                self.close(
+                    LinkReason.IDLE, f"no request needed this link for {self._idle_close_s}s"
+                )
+                return
             if now >= next_beat:
                 # ts is wall time for operators comparing clocks; TTL never reads it.
                 self.send(Heartbeat(ts=time.time()))
@@ -268,9 +301,22 @@ class PeerLink:
             deadline = min(next_beat, self.last_heard + self._peer_ttl_s)
             await asyncio.sleep(max(deadline - now, 0.0))
 
+    def _idle_for(self, now: float) -> float:
+        """How long nothing has needed this on-demand link (0 for other links)."""
+        if not self._idle_close_s:
+            return 0.0
+        try:
+            needed = self._in_use is not None and self._in_use()
+        except Exception:
+            self._log.exception("peer_in_use_failed")
+            needed = True  # keep the link rather than drop one a request may need
+        if needed:
+            self.last_active = now
+        return now - self.last_active
+
 
 class LinkInfo(msgspec.Struct, frozen=True):
-    """One configured peer, for ``kvpushd status``."""
+    """One configured peer, or one linked on demand, for ``kvpushd status``."""
 
     node: str
     address: str
@@ -279,6 +325,7 @@ class LinkInfo(msgspec.Struct, frozen=True):
     boot_id: str = ""
     last_heard_age_s: float | None = None
     peername: str = ""
+    on_demand: bool = False  # not configured: linked because a registration needed it
 
 
 # --------------------------------------------------------------------------
@@ -293,6 +340,11 @@ class PeerManager:
     link)`` (may raise PeerRejected), ``on_message(node, message)`` in arrival
     order per link, ``on_down(node, reason)`` once per link whose ``on_up``
     returned normally (also on :meth:`close`, with reason ``shutdown``).
+
+    Peers on demand: ``accept_unlisted`` admits authenticated dialers that
+    are not configured; :meth:`connect` dials one, within
+    ``connect_timeout_s``; a link it dialed closes after ``idle_close_s``
+    (0: never) during which ``in_use(node)`` was false and no message passed.
     """
 
     def __init__(
@@ -311,8 +363,17 @@ class PeerManager:
         max_frame_bytes: int = 4 * 1024 * 1024,
         handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
         backoff_s: tuple[float, float] = DEFAULT_BACKOFF_S,
+        accept_unlisted: bool = False,
+        connect_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+        idle_close_s: float = 0.0,
+        in_use: Callable[[str], bool] | None = None,
     ) -> None:
         _validate(node, secret, peers, heartbeat_s, peer_ttl_s, backoff_s)
+        if connect_timeout_s <= 0 or idle_close_s < 0:
+            raise ValueError(
+                f"need connect_timeout_s > 0 ({connect_timeout_s}) and "
+                f"idle_close_s >= 0 ({idle_close_s})"
+            )
         self.node = node
         self._secret = secret
         self._listen = listen
@@ -326,6 +387,12 @@ class PeerManager:
         self._max_frame_bytes = max_frame_bytes
         self._handshake_timeout_s = handshake_timeout_s
         self._backoff_s = backoff_s
+        self._accept_unlisted = accept_unlisted
+        self._connect_timeout_s = connect_timeout_s
+        self._idle_close_s = idle_close_s
+        self._in_use = in_use
+        # On-demand dials in progress: callers for the same peer share one.
+        self._dialing: dict[str, asyncio.Future[PeerLink]] = {}
         self._links: dict[str, PeerLink] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._server: asyncio.Server | None = None
@@ -357,6 +424,40 @@ class PeerManager:
                     detail="that peer sorts lower, so it dials us, but we do not listen",
                 )
 
+    def is_configured(self, node: str) -> bool:
+        return node in self._peers
+
+    async def connect(self, node: str, address: str) -> PeerLink:
+        """A live link to ``node``, dialing ``address`` (``host:port``) if there is none.
+
+        For a peer that is not configured (a configured one has its own dial
+        loop, or dials us). One attempt, shared by concurrent callers, within
+        ``connect_timeout_s``; raises :class:`PeerUnreachable` if it does not
+        give an authenticated link the daemon accepted. Nothing redials once
+        that link closes: the next caller dials again.
+        """
+        if self._closing:
+            raise PeerUnreachable(node, address, LinkReason.SHUTDOWN, "daemon shutting down")
+        link = self.link(node)
+        if link is not None:
+            return link
+        if node in self._peers:
+            raise ValueError(f"{node!r} is a configured peer: its static link is not up")
+        if node == self.node:
+            raise PeerUnreachable(node, address, LinkReason.UNKNOWN_NODE, "that is this node")
+        try:
+            parse_host_port(address)
+        except ValueError as exc:
+            raise PeerUnreachable(node, address, "bad_address", str(exc)) from None
+        future = self._dialing.get(node)
+        if future is None:
+            future = asyncio.get_running_loop().create_future()
+            # A caller cancelled meanwhile must not leave the outcome unread.
+            future.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._dialing[node] = future
+            self._spawn(self._dial_on_demand(node, address, future), f"peer-on-demand-{node}")
+        return await asyncio.shield(future)
+
     def send(self, node: str, message: PeerMessage) -> bool:
         """Queue ``message`` to ``node``; False if there is no live link to it."""
         failpoints.hit("peer.send")
@@ -373,8 +474,15 @@ class PeerManager:
 
     @property
     def links(self) -> tuple[LinkInfo, ...]:
+        """Every configured peer, then every peer linked on demand, by name."""
         now = asyncio.get_running_loop().time()
-        return tuple(self._info(peer, now) for peer in sorted(self._peers.values(), key=_by_node))
+        configured = [self._info(peer, now) for peer in sorted(self._peers.values(), key=_by_node)]
+        on_demand = [
+            _link_info(link, link.on_demand_address, now, on_demand=True)
+            for node, link in sorted(self._links.items())
+            if node not in self._peers and not link.closed
+        ]
+        return (*configured, *on_demand)
 
     async def close(self) -> None:
         """Stop listening, close every link (on_down: shutdown), end every task."""
@@ -413,26 +521,20 @@ class PeerManager:
         link = self.link(peer.node)
         if link is None:
             return LinkInfo(node=peer.node, address=peer.address, up=False)
-        return LinkInfo(
-            node=peer.node,
-            address=peer.address,
-            up=True,
-            direction=link.direction.value,
-            boot_id=link.boot_id,
-            last_heard_age_s=round(now - link.last_heard, 6),
-            peername=link.peername,
-        )
+        return _link_info(link, peer.address, now)
 
     def _check_dialer(self, node: str) -> None:
-        if node not in self._peers:
-            raise PeerAuthError(
-                LinkReason.UNKNOWN_NODE, f"{node_name(node)} is not a configured peer"
-            )
-        if not node < self.node:
-            raise PeerAuthError(
-                LinkReason.WRONG_DIRECTION,
-                f"{node!r} sorts after {self.node!r}: {self.node!r} dials, {node!r} accepts",
-            )
+        """Before the MAC is checked: may a dialer of this name link at all?"""
+        if node in self._peers:
+            if not node < self.node:
+                raise PeerAuthError(
+                    LinkReason.WRONG_DIRECTION,
+                    f"{node!r} sorts after {self.node!r}: {self.node!r} dials, {node!r} accepts",
+                )
+            return
+        if self._accept_unlisted and node != self.node:
+            return  # a peer on demand: the MAC checked next is what admits it
+        raise PeerAuthError(LinkReason.UNKNOWN_NODE, f"{node_name(node)} is not a configured peer")
 
     async def _serve_accepted(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -513,6 +615,72 @@ class PeerManager:
             # Cancelled mid-handshake by close(): the socket must not outlive us.
             wire.close(self._shutdown_goodbye())
 
+    async def _dial_on_demand(
+        self, node: str, address: str, future: asyncio.Future[PeerLink]
+    ) -> None:
+        """:meth:`connect`'s one attempt; then, if it linked, read the link until it closes."""
+        host, port = parse_host_port(address)
+        wire: Wire | None = None
+        outcome: PeerLink | tuple[str, str]
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                try:
+                    reader, writer = await asyncio.open_connection(host, port)
+                except OSError as exc:
+                    outcome = (LinkReason.CONNECT_FAILED, repr(exc))
+                else:
+                    wire = Wire(reader, writer, self._max_frame_bytes)
+                    outcome = await self._try_establish(
+                        wire, Direction.DIALED, node, on_demand_address=address
+                    )
+        except TimeoutError:
+            outcome = (
+                LinkReason.HANDSHAKE_TIMEOUT,
+                f"no authenticated link within {self._connect_timeout_s}s",
+            )
+        except BaseException:
+            # Cancelled by close(): the socket must not outlive us.
+            if wire is not None:
+                wire.close(self._shutdown_goodbye())
+            if not future.done():
+                future.set_exception(
+                    PeerUnreachable(node, address, LinkReason.SHUTDOWN, "daemon shutting down")
+                )
+            raise
+        finally:
+            if self._dialing.get(node) is future:
+                del self._dialing[node]
+        if isinstance(outcome, tuple):
+            if wire is not None:
+                wire.close(None)
+            self._log.warning(
+                "peer_on_demand_failed",
+                peer=node,
+                address=address,
+                reason=outcome[0],
+                detail=outcome[1],
+            )
+            future.set_exception(PeerUnreachable(node, address, *outcome))
+            return
+        link = outcome
+        if link.closed:
+            # Refused by the daemon, or the duplicate of a link that came up
+            # from the other side meanwhile (which serves just as well).
+            live = self.link(node)
+            if live is not None:
+                future.set_result(live)
+            else:
+                future.set_exception(
+                    PeerUnreachable(node, address, link.close_reason, "the peering was refused")
+                )
+            return
+        future.set_result(link)
+        try:
+            await link.run()
+        finally:
+            assert wire is not None
+            wire.close(self._shutdown_goodbye())
+
     def _shutdown_goodbye(self) -> Goodbye | None:
         if not self._closing:
             return None
@@ -522,6 +690,22 @@ class PeerManager:
         self, wire: Wire, direction: Direction, expected: str | None
     ) -> PeerLink | None:
         """Authenticate, exchange Hello, hand the link to the daemon; None if refused."""
+        outcome = await self._try_establish(wire, direction, expected)
+        return outcome if isinstance(outcome, PeerLink) else None
+
+    async def _try_establish(
+        self,
+        wire: Wire,
+        direction: Direction,
+        expected: str | None,
+        *,
+        on_demand_address: str = "",
+    ) -> PeerLink | tuple[str, str]:
+        """As :meth:`_establish`, but a failure is (reason, detail).
+
+        The link returned may already be closed: the daemon refused it in
+        ``on_up``, or it lost to a duplicate (see :meth:`_adopt`).
+        """
         try:
             hello = await self._handshake(wire, direction, expected)
         except LinkAborted as exc:
@@ -534,7 +718,7 @@ class PeerManager:
                 detail=exc.message,
             )
             wire.close(Goodbye(exc.reason, exc.message) if exc.notify_peer else None)
-            return None
+            return exc.reason, exc.message
         except (asyncio.IncompleteReadError, OSError) as exc:
             self._log.info(
                 "peer_handshake_closed",
@@ -543,7 +727,9 @@ class PeerManager:
                 error=type(exc).__name__,
             )
             wire.close(None)
-            return None
+            return LinkReason.PEER_CLOSED, f"closed during the handshake ({type(exc).__name__})"
+        in_use = self._in_use
+        node = hello.node
         link = PeerLink(
             wire,
             hello,
@@ -552,6 +738,9 @@ class PeerManager:
             peer_ttl_s=self._peer_ttl_s,
             on_message=self._on_message,
             on_closed=self._link_closed,
+            on_demand_address=on_demand_address,
+            idle_close_s=self._idle_close_s,
+            in_use=(lambda: in_use(node)) if in_use is not None else None,
         )
         self._adopt(link)
         return link
@@ -597,6 +786,16 @@ class PeerManager:
             link.close(LinkReason.SHUTDOWN, "daemon shutting down")
             return
         old = self._links.get(link.node)
+        if (
+            old is not None
+            and old.direction is not link.direction
+            and old.boot_id == link.boot_id
+            and (link.direction is Direction.DIALED) != (self.node < link.node)
+        ):
+            # Both sides dialed the same peer process at once: the peer does
+            # the same sums and keeps the connection the lower name dialed.
+            link.close(LinkReason.DUPLICATE, "the peer's own connection to us is kept")
+            return
         if old is not None:
             old.close(LinkReason.REPLACED, "a newer connection from this peer took over")
         self._links[link.node] = link
@@ -642,6 +841,19 @@ class PeerManager:
 
 def _by_node(peer: PeerConfig) -> str:
     return peer.node
+
+
+def _link_info(link: PeerLink, address: str, now: float, *, on_demand: bool = False) -> LinkInfo:
+    return LinkInfo(
+        node=link.node,
+        address=address,
+        up=True,
+        direction=link.direction.value,
+        boot_id=link.boot_id,
+        last_heard_age_s=round(now - link.last_heard, 6),
+        peername=link.peername,
+        on_demand=on_demand,
+    )
 
 
 def _validate(
