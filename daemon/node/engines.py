@@ -21,7 +21,7 @@ from daemon.dataplane.memory import MappedRegion, OffloadPool, RegionError, map_
 from daemon.dataplane.plane import DataPlaneError
 from daemon.dataplane.vram import VramRegion, open_vram_region
 from schemas import rpc
-from schemas.events import Event, Released
+from schemas.events import Event
 from schemas.kvlayout import EngineSpec, MemoryKind, RemoteEngine
 from schemas.reasons import Reason
 from schemas.state import RequestRecord
@@ -219,9 +219,10 @@ class Engines:
                 self._detach_if_idle(engine_id)
 
     def after_durable(self, event: Event, record: RequestRecord) -> None:
-        """Invariant 5 once a release is durable: zero its offload slots, drop its tracking."""
-        if type(event) is not Released:
-            return
+        """Invariant 5 once a release is durable: zero its offload slots, drop its tracking.
+
+        The ledger runs it for ``Released`` records only.
+        """
         held = self.offload.pop(record.request_id, None)
         if held is not None:
             engine_id, slots = held

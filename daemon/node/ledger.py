@@ -37,6 +37,8 @@ from statemachine.notices import TOLD_OF, Notice, notices
 from statemachine.reactions import Cause
 
 log = structlog.get_logger("kvpushd.node")
+# Events logged at info or above whatever the level (the rest only at debug).
+_LOGGED = frozenset({Failed, Refused})
 
 
 class Courier(Protocol):
@@ -95,9 +97,9 @@ class Ledger:
         self.group = group
         self.courier = courier
         self.observers: list[Observer] = []
-        # Run once a record is durable, before its notices go out (released
-        # offload slots go back to the pool only once the release is durable).
-        self.after_durable: list[AfterDurable] = []
+        # Per event type, run once such a record is durable, before its notices
+        # go out (released offload slots go back to the pool only then).
+        self.after_durable: dict[type, list[AfterDurable]] = {}
         self._clock = clock
         self._snapshot_every = snapshot_every
         self._retain = retain_segments
@@ -149,30 +151,30 @@ class Ledger:
         records: list[tuple[Event, Any]] = []
         seq = 0
         for event in events:
-            pending = self._pending_peer(event)
+            kind = type(event)
+            told = kind in TOLD_OF
+            # A pending registration has no record to name its peer; the
+            # failure that ends it must still reach that peer (read before
+            # the event removes it).
+            answer = peer
+            if told and kind is Failed and self.registry.pending:
+                pending = self.registry.pending.get(event.request_id)  # type: ignore[union-attr]
+                if pending is not None:
+                    answer = pending.registration.peer
             record, touched = self._append_logged(event)
             seq = record.seq
             records.append((event, touched))
-            if type(event) in TOLD_OF:
+            if told:
                 owed.extend(
                     notices(
-                        touched if isinstance(touched, RequestRecord) else None,
+                        touched if type(touched) is RequestRecord else None,
                         event,  # type: ignore[arg-type]
                         cause,
-                        peer=pending or peer,
+                        peer=answer,
                         layouts=self.registry.engines,
                     )
                 )
         return Commit(self, seq, owed, records, failpoint)
-
-    def _pending_peer(self, event: Event) -> str:
-        # A pending registration has no record to name its peer; the failure
-        # that ends it must still reach that peer.
-        if isinstance(event, Failed) and self.registry.pending:
-            pending = self.registry.pending.get(event.request_id)
-            if pending is not None:
-                return pending.registration.peer
-        return ""
 
     def _append_logged(self, event: Event) -> tuple[Record, object]:
         try:
@@ -182,7 +184,8 @@ class Ledger:
             # the journal failed before: as fatal as a failed group commit.
             self._on_fatal(exc)
             raise
-        self._log_event(event, record.seq)
+        if type(event) in _LOGGED or self._debug:
+            self._log_event(event, record.seq)
         for observe in self.observers:
             observe(event, touched, record.ts)
         if self._snapshot_every:
@@ -238,9 +241,11 @@ class Ledger:
             await self.group.durable(commit.seq)
         if commit.failpoint is not None:
             failpoints.hit(commit.failpoint)
+        hooks = self.after_durable
         for event, touched in commit.records:
-            if isinstance(touched, RequestRecord):
-                for after in self.after_durable:
+            hooked = hooks.get(type(event))
+            if hooked is not None and type(touched) is RequestRecord:
+                for after in hooked:
                     after(event, touched)
         courier = self.courier
         if courier is None:

@@ -148,7 +148,7 @@ class Node:
         )
         self._ledger.observers.append(self.transfers.observe)
         self._ledger.observers.append(self._observe)
-        self._ledger.after_durable.append(self.engines.after_durable)
+        self._ledger.after_durable[Released] = [self.engines.after_durable]
         self.log.info(
             "journal replayed",
             records=replayed.records,
