@@ -33,6 +33,10 @@ def _check(config: Config) -> None:
             raise ConfigError(f"deadlines.{name}: must be > 0 seconds")
     if config.heartbeat_s <= 0 or config.peer_ttl_s <= config.heartbeat_s:
         raise ConfigError("peer_ttl_s: must be greater than heartbeat_s (both > 0)")
+    if config.peer_connect_timeout_s <= 0:
+        raise ConfigError("peer_connect_timeout_s: must be > 0 seconds")
+    if config.peer_idle_close_s < 0:
+        raise ConfigError("peer_idle_close_s: must be >= 0 seconds (0: never close)")
     if config.journal.segment_mb < 1:
         raise ConfigError("journal.segment_mb: must be >= 1")
     if config.limits.max_frame_bytes < 1024:

@@ -82,7 +82,9 @@ async def serve(config: Config, notifier: Notifier | None = None) -> int:
     await node.load_metadata()
 
     peers: PeerManager | None = None
-    if config.listen or config.peers:
+    # A node that neither listens nor lists peers may still dial on demand.
+    dials_on_demand = config.on_demand_peers and bool(config.secret_file)
+    if config.listen or config.peers or dials_on_demand:
         secret = load_secret(config.secret_file) if config.secret_file else b""
         peers = PeerManager(
             config.node,
@@ -96,6 +98,10 @@ async def serve(config: Config, notifier: Notifier | None = None) -> int:
             heartbeat_s=config.heartbeat_s,
             peer_ttl_s=config.peer_ttl_s,
             max_frame_bytes=config.limits.max_frame_bytes,
+            accept_unlisted=config.on_demand_peers,
+            connect_timeout_s=config.peer_connect_timeout_s,
+            idle_close_s=config.peer_idle_close_s,
+            in_use=node.peers.in_use,
         )
         node.attach_peers(peers)
         await peers.start()

@@ -56,6 +56,17 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     secret_file: str = ""  # shared secret for the peer link; required when peers exist
     heartbeat_s: float = 1.0
     peer_ttl_s: float = 5.0
+    # Peers on demand (README.md): accept an authenticated dialer that is not
+    # in `peers`, and dial the pusher's daemon a receiver registration names by
+    # `peer_address`. Off: only `peers` ever link, and addresses are ignored.
+    on_demand_peers: bool = True
+    # How long dialing an on-demand peer (TCP connect, handshake, Hello) may
+    # take before the registration that needed it is refused peer_unreachable.
+    peer_connect_timeout_s: float = 5.0
+    # An on-demand link this node dialed is closed once no live request has
+    # referenced the peer for this long (0: never); it is dialed again when a
+    # registration needs it, never in a loop.
+    peer_idle_close_s: float = 60.0
     drain_s: float = 10.0
     allowed_uids: tuple[int, ...] = ()  # empty: the daemon's own uid and root
     allowed_gids: tuple[int, ...] = ()

@@ -22,6 +22,9 @@ class Reason(enum.StrEnum):
     GROUP_COUNT_MISMATCH = "group_count_mismatch"
     ROLE_MISMATCH = "role_mismatch"
     ENGINE_IN_USE = "engine_in_use"
+    # A receiver named its pusher's daemon by address (an on-demand peer) and
+    # no authenticated link to it came up within peer_connect_timeout_s.
+    PEER_UNREACHABLE = "peer_unreachable"
 
     # Trim refusals (the request fails before any byte is written).
     DECODE_LONGER_THAN_PREFILL = "decode_longer_than_prefill"

@@ -51,6 +51,11 @@ class RegisterRequest(_Request, frozen=True, tag="register_request"):
 
     Receiver (decode side): the blocks still to fill, and ``peer`` names the
     prefill node. Pusher (prefill side): the full sequence's blocks.
+
+    ``peer_address`` (receiver only, optional): the prefill daemon's peer
+    listen address, ``host:port``, for a peer that is not in this daemon's
+    ``[[peers]]``: the daemon dials it on demand (README.md, "Peers on
+    demand"). Empty, or a configured peer: the static link is used, as before.
     """
 
     engine_id: str
@@ -60,6 +65,7 @@ class RegisterRequest(_Request, frozen=True, tag="register_request"):
     incarnation: int = 1
     peer: str = ""
     offload_slots: int = 0
+    peer_address: str = ""
 
 
 class KvReady(_Request, frozen=True, tag="kv_ready"):

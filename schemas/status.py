@@ -46,6 +46,7 @@ class PeerLine(_Part, frozen=True):
     boot_id: str = ""
     last_heard_age_s: float | None = None
     peername: str = ""
+    on_demand: bool = False  # not in [[peers]]: linked because a registration needed it
 
 
 class JournalLine(_Part, frozen=True):

@@ -109,6 +109,7 @@ class BlockingEngineClient:
         peer: str = "",
         offload_slots: int = 0,
         timeout: float | None = None,
+        peer_address: str = "",
     ) -> rpc.RequestAccepted:
         return self._run(
             self.client.register_request(
@@ -120,6 +121,7 @@ class BlockingEngineClient:
                 peer=peer,
                 offload_slots=offload_slots,
                 timeout=timeout,
+                peer_address=peer_address,
             )
         )
 

@@ -200,8 +200,14 @@ class EngineClient:
         peer: str = "",
         offload_slots: int = 0,
         timeout: float | None = None,
+        peer_address: str = "",
     ) -> rpc.RequestAccepted:
-        """Register a request: logical block ids per group (see :class:`rpc.RegisterRequest`)."""
+        """Register a request: logical block ids per group (see :class:`rpc.RegisterRequest`).
+
+        A receiver may give ``peer_address``, the pusher daemon's ``host:port``
+        (from the prefill's kv_transfer_params), for a peer its daemon does
+        not list: the daemon dials it, or refuses with ``peer_unreachable``.
+        """
         request = rpc.RegisterRequest(
             self._next_id(),
             engine_id=engine_id,
@@ -211,6 +217,7 @@ class EngineClient:
             incarnation=incarnation,
             peer=peer,
             offload_slots=offload_slots,
+            peer_address=peer_address,
         )
         return await self._call(request, rpc.RequestAccepted, timeout)
 

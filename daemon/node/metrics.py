@@ -342,7 +342,8 @@ class _NodeCollector(Collector):
 
     def _peers(self) -> Iterable[Metric]:
         links = self.node.links.links if self.node.links is not None else ()
-        yield self._gauge("peers_configured", "Configured peers.", len(links))
+        configured = sum(not i.on_demand for i in links)
+        yield self._gauge("peers_configured", "Configured peers.", configured)
         yield self._gauge("peers_up", "Peers with an authenticated link.", sum(i.up for i in links))
         up = GaugeMetricFamily(f"{NAMESPACE}_peer_up", "1 if the peer is up.", labels=["peer"])
         heard = GaugeMetricFamily(

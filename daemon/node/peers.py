@@ -6,10 +6,18 @@ are serialized per request id (and behind the peer's own up/down handling)
 so that the order the peer sent in is the order they are applied in. What a
 message does to a request is the core's decision (statemachine/reactions.py);
 this module looks the request up and commits what the core says.
+
+Peers on demand (README.md): a receiver registration may name its pusher's
+daemon by address; :meth:`Peers.link_on_demand` dials it (through the peer
+manager) and returns once the link is up, its Hello handled and this node's
+windows for it opened and announced, so the peer hears ``Engines`` before the
+registration's ``Forward``. Such a peer has windows only while it is linked
+(:meth:`Peers.wants_windows`); its death is fenced like a configured peer's.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
@@ -18,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from daemon.dataplane.plane import DataPlaneError
-from daemon.node.peerauth import PeerRejected
+from daemon.node.peerauth import LinkReason, PeerRejected, PeerUnreachable
 from daemon.node.serializer import KeyedSerializer
 from schemas import peer as pm
 from schemas.events import Refused
@@ -49,6 +57,8 @@ class Peers:
         self.node = node
         self.states: dict[str, PeerState] = {}
         self._order = KeyedSerializer(node.spawn)
+        # Registrations waiting for an on-demand link: it counts as in use.
+        self._linking: collections.Counter[str] = collections.Counter()
 
     def tell_peer(self, node: str, message: pm.PeerMessage) -> bool:
         links = self.node.links
@@ -57,6 +67,65 @@ class Peers:
     def is_up(self, node: str) -> bool:
         links = self.node.links
         return links is not None and links.is_up(node)
+
+    def is_configured(self, node: str) -> bool:
+        return any(peer.node == node for peer in self.node.config.peers)
+
+    # ------------------------------------------------------------- on demand
+
+    def wants_windows(self, node: str) -> bool:
+        """Whether ``node`` should have windows here: configured, or linked now."""
+        return self.is_configured(node) or self.is_up(node)
+
+    def window_peers(self) -> list[str]:
+        """The peers a newly registered engine opens windows for."""
+        configured = [peer.node for peer in self.node.config.peers]
+        links = self.node.links
+        linked = [i.node for i in links.links if i.on_demand and i.up] if links is not None else []
+        return configured + linked
+
+    def in_use(self, node: str) -> bool:
+        """Whether a live request or a registration in progress still needs ``node``.
+
+        The peer manager asks this before closing an on-demand link as idle.
+        """
+        registry = self.node.registry
+        return (
+            self._linking[node] > 0
+            or any(record.peer == node for record in registry.live.values())
+            or any(p.registration.peer == node for p in registry.pending.values())
+        )
+
+    async def link_on_demand(self, node: str, address: str) -> None:
+        """A receiver's registration names ``node`` at ``address``: link to it.
+
+        Returns once the link is up and this node's windows for ``node`` are
+        open and announced to it; raises ``Refusal(peer_unreachable)`` if no
+        authenticated link came up within ``peer_connect_timeout_s``.
+        """
+        links = self.node.links
+        if links is None:
+            raise Refusal(
+                Reason.PEER_UNREACHABLE,
+                f"peer {node!r} at {address}: this daemon has no peer link "
+                "(no listen address, peers or secret_file)",
+            )
+        self._linking[node] += 1
+        try:
+            try:
+                await links.connect(node, address)
+            except PeerUnreachable as exc:
+                raise Refusal(Reason.PEER_UNREACHABLE, str(exc)) from None
+            # Behind the link's up handling (peer_up: its agent, our windows).
+            await self._order.submit(_nothing(), ("peer", node))
+            own = self.node
+            if any(node not in e.windows for e in own.engines.by_id.values()):
+                # An engine registered while the link came up: windows for it too.
+                await own.windows.rewindow(node)
+        finally:
+            self._linking[node] -= 1
+            if not self._linking[node]:
+                del self._linking[node]
 
     # -------------------------------------------------- peer manager callbacks
 
@@ -107,6 +176,10 @@ class Peers:
             await dataplane.add_remote_engine(state.agent_name, engine)
             state.engines[engine.engine_id] = engine
         log.info("peer up", peer=node, boot_id=hello.boot_id, engines=len(hello.engines))
+        if not self.is_configured(node):
+            # On demand: no windows until now. Open them and tell the peer
+            # (Engines), before anything said about a request on this link.
+            await self.node.windows.rewindow(node)
         self._reconcile(node)
 
     def _reconcile(self, node: str) -> None:
@@ -146,7 +219,8 @@ class Peers:
     async def peer_down(self, node: str, reason: str) -> None:
         """A peer is dead (TTL, disconnect): fence it, fail what depended on it."""
         own = self.node
-        log.warning("peer down", peer=node, reason=reason)
+        idle = reason in (LinkReason.IDLE, f"peer:{LinkReason.IDLE}")
+        (log.info if idle else log.warning)("peer down", peer=node, reason=reason)
         await own.windows.fence(node)
         why = Why(Reason.PEER_DEAD, f"peer {node} is dead ({reason})")
         for listed in list(own.registry.live.values()):
@@ -163,6 +237,8 @@ class Peers:
             await own.ledger.commit(
                 react_pending(pending, Stimulus.PEER_DEAD, why), Cause.PEER_DEAD
             )
+        # A configured peer gets fresh windows for its next link; one on demand
+        # gets them when (if) it links again.
         await own.windows.rewindow(node)
 
     # ------------------------------------------------------------- messages
@@ -252,6 +328,10 @@ class Peers:
 
     async def _on_engines(self, node: str, msg: pm.Engines) -> None:
         await self.peer_engines(node, msg.engines, msg.agent_metadata)
+
+
+async def _nothing() -> None:
+    pass
 
 
 _HANDLERS: dict[type, Callable[[Peers, str, Any], Awaitable[None]]] = {

@@ -302,6 +302,13 @@ class Node:
         if self.stopping:
             raise Refusal(Reason.DAEMON_RESTART, "the daemon is draining")
         engine = self.engines.own(session, req.engine_id)
+        if self._on_demand(req):
+            # Dial the pusher's daemon (README.md, "Peers on demand"); then
+            # check again what the wait may have changed.
+            await self.peers.link_on_demand(req.peer, req.peer_address)
+            if self.stopping:
+                raise Refusal(Reason.DAEMON_RESTART, "the daemon is draining")
+            engine = self.engines.own(session, req.engine_id)
         limit = self.config.limits.max_live_per_engine
         if engine.live >= limit:
             raise Refusal(
@@ -330,6 +337,16 @@ class Node:
         if req.role is PUSHER:
             self.spawn(self.transfers.advance(req.request_id))
         return rpc.RequestAccepted(req.id, state=State.REGISTERED.value, offload_slots=slots)
+
+    def _on_demand(self, req: rpc.RegisterRequest) -> bool:
+        """A receiver naming, by address, a peer that is not configured (and may link now)."""
+        return (
+            req.role is RECEIVER
+            and bool(req.peer)
+            and bool(req.peer_address)
+            and self.config.on_demand_peers
+            and not self.peers.is_configured(req.peer)
+        )
 
     def _check_fits(self, event: Registered) -> None:
         """Refuse a registration too big for one journal record or one peer frame.

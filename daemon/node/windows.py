@@ -5,7 +5,10 @@ region, registered with NIXL, whose addresses only that peer is told (in its
 Hello and in ``Engines`` updates). To fence a dead peer the receiver revokes
 its windows (daemon/dataplane/window.py), so a late write with the old
 descriptors faults instead of landing; only then may the blocks it could
-write be handed back (ARCHITECTURE.md, invariant 2).
+write be handed back (ARCHITECTURE.md, invariant 2). A peer linked on demand
+(not configured) has windows only while its link is up: opened when it links
+(:meth:`Windows.rewindow` from its peer_up), fenced like any other when it
+goes, and not reopened until it links again.
 """
 
 from __future__ import annotations
@@ -39,11 +42,11 @@ class Windows:
         return self._locks.setdefault(peer, asyncio.Lock())
 
     async def open_for_all_peers(self, engine: EngineState) -> None:
-        """A newly registered engine's windows, one per configured peer."""
-        for peer in self.node.config.peers:
-            async with self._lock(peer.node):
-                engine.windows[peer.node] = await self.node.dataplane.open_windows(
-                    peer.node, engine.spec, engine.regions
+        """A newly registered engine's windows: one per configured peer and per linked one."""
+        for peer in self.node.peers.window_peers():
+            async with self._lock(peer):
+                engine.windows[peer] = await self.node.dataplane.open_windows(
+                    peer, engine.spec, engine.regions
                 )
 
     def view(self, peer: str) -> tuple[RemoteEngine, ...]:
@@ -96,11 +99,17 @@ class Windows:
         log.info("peer fenced", node=own.config.node, peer=node, windows_revoked=revoked)
 
     async def rewindow(self, node: str) -> None:
-        """Fresh windows for a fenced peer's next link (after its requests were failed)."""
+        """Fresh windows for a fenced peer's next link (after its requests were failed).
+
+        Also opens an on-demand peer's windows once it links. A peer on demand
+        that is not linked (any more) gets none: it may never come back.
+        """
         own = self.node
-        if own.closing:
+        if own.closing or not own.peers.wants_windows(node):
             return
         async with self._lock(node):
+            if not own.peers.wants_windows(node):
+                return  # an on-demand peer went while a fence held the lock
             for engine in list(own.engines.by_id.values()):
                 if (
                     node in engine.windows

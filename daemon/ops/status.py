@@ -195,7 +195,7 @@ def _peers(st: dict[str, Any]) -> str:
     rows = [
         (
             p["node"],
-            p["address"],
+            (p["address"] or "-") + (" (on demand)" if p.get("on_demand") else ""),
             "up" if p["up"] else "DOWN",
             p.get("direction") or "-",
             age(p.get("last_heard_age_s")),
@@ -212,7 +212,7 @@ def render(st: dict[str, Any], *, limit: int = 10) -> str:
     if st["live"]:
         sections += [_states(st), _requests(st, limit)]
     sections.append(_engines(st) if st["engines"] else "engines: none registered")
-    sections.append(_peers(st) if st["peers"] else "peers: none configured")
+    sections.append(_peers(st) if st["peers"] else "peers: none configured or linked")
     return "\n\n".join(sections)
 
 

@@ -280,11 +280,15 @@ class SimEngine:
         *,
         incarnation: int = 1,
         expect: Expectation | None = None,
+        peer_address: str = "",
     ) -> rpc.RequestAccepted:
-        """Register a receiver request; with ``expect``, KvArrived is verified automatically."""
+        """Register a receiver request; with ``expect``, KvArrived is verified automatically.
+
+        ``peer_address``: the pusher daemon's ``host:port``, for a peer on demand.
+        """
         self._require(Role.RECEIVER)
         live = _Live(Role.RECEIVER, expand(self.layout, blocks), expect)
-        return await self._register(request_id, incarnation, blocks, peer, live)
+        return await self._register(request_id, incarnation, blocks, peer, live, peer_address)
 
     async def _register(
         self,
@@ -293,6 +297,7 @@ class SimEngine:
         blocks: Sequence[Sequence[int]],
         peer: str,
         live: _Live,
+        peer_address: str = "",
     ) -> rpc.RequestAccepted:
         """Register with the daemon, recording the request *before* the call.
 
@@ -306,7 +311,13 @@ class SimEngine:
         self._live[key] = live
         try:
             return await self.client.register_request(
-                self.engine_id, request_id, live.role, blocks, incarnation=incarnation, peer=peer
+                self.engine_id,
+                request_id,
+                live.role,
+                blocks,
+                incarnation=incarnation,
+                peer=peer,
+                peer_address=peer_address,
             )
         except BaseException:
             if previous is None:
