@@ -93,6 +93,13 @@ RULES = (
         lambda n: not is_under(n, ("daemon.sim",)),
     ),
     Rule(
+        "vllm-apart",
+        "nothing in the package imports vllm but daemon/client/vllm.py (the connector vLLM"
+        " loads); tests_vllm/ and daemon/sim/vllm_servers.py run vLLM as a process",
+        lambda m: is_under(m, PACKAGE) and m != "daemon.client.vllm",
+        lambda n: not is_under(n, ("vllm",)),
+    ),
+    Rule(
         "package-alone",
         "the package imports neither tests, bench nor tools",
         lambda m: is_under(m, PACKAGE),
@@ -211,6 +218,19 @@ BROKEN: dict[str, tuple[dict[str, str], list[str]]] = {
             "daemon.journal.replay:2 -> daemon.sim.engine",
             "daemon.node.runtime:1 -> daemon.journal.replay:2 -> daemon.sim",
             "daemon.node.runtime:1 -> daemon.journal.replay:2 -> daemon.sim.engine",
+        ],
+    ),
+    "vllm-apart": (
+        {
+            "daemon.sim.vllm_servers": "from daemon.sim import tinyllama\n",
+            "daemon.sim.tinyllama": "import torch\nimport vllm.config\n",
+            "daemon.client.vllm": "from vllm.distributed import kv_transfer\n",  # allowed
+        },
+        [
+            "daemon.sim.tinyllama:2 -> vllm",
+            "daemon.sim.tinyllama:2 -> vllm.config",
+            "daemon.sim.vllm_servers:1 -> daemon.sim.tinyllama:2 -> vllm",
+            "daemon.sim.vllm_servers:1 -> daemon.sim.tinyllama:2 -> vllm.config",
         ],
     ),
     "package-alone": (

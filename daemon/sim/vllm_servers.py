@@ -1,0 +1,456 @@
+"""Real vLLM OpenAI servers as subprocesses: start, pin, wait, complete, read metrics, stop.
+
+The one way tests_vllm/ and benches run real vLLM. This module never
+imports vLLM: it starts ``python -m vllm.entrypoints.openai.api_server``
+with an interpreter that has it (by default this one if vLLM is installed
+here, else the repository's ``.venv-vllm``) and speaks HTTP with the
+standard library.
+
+What a :class:`VllmServer` does, following /work/shared/VLLM-CPU.md's traps:
+
+- ``--skip-tokenizer-init``: prompts are token ids and answers are token ids
+  (``"return_token_ids": true``); ``HF_HUB_OFFLINE=1``, nothing is fetched.
+- Pinned to one core: ``VLLM_CPU_OMP_THREADS_BIND`` pins the OpenMP threads,
+  the process is started with that one core as its affinity (inherited by
+  every thread and by the engine-core and worker processes it spawns), and
+  :meth:`VllmServer.pin` pins every thread of the whole process tree again
+  once it is healthy and after warm-up (a busy-polling thread on the other
+  instance's core slows both by an order of magnitude).
+- The KV cache is sized in bytes (``--kv-cache-memory-bytes``), not as a
+  fraction of memory: vLLM's CPU worker subtracts its own resident memory
+  (~0.8 GB here) from ``gpu_memory_utilization`` times the NUMA node's memory,
+  and 0.05 of this machine's node is less than that, so it refuses to start.
+  An explicit size also lets an eager server skip vLLM's warm-up pass.
+- ``--enforce-eager`` by default: start-up ~25 s instead of ~50 s (no
+  torch.compile); every instance of a test runs the same mode, so greedy
+  tokens stay comparable across instances. ``eager=False`` for benches.
+- ``block_size`` a multiple of 32 (CPU attention refuses others).
+
+Files of a server named ``N`` in its work folder ``W``: ``W/N.log`` (its
+stdout and stderr, with every process's lines).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from daemon.sim.launcher import REPO, free_port
+
+# The name every server serves its model under (requests name it).
+SERVED_NAME: Final = "tiny"
+DEFAULT_KV_CACHE_BYTES: Final = 128 << 20
+
+
+class VllmServerError(RuntimeError):
+    """A server did not start, answered an error, or did not stop; the message ends with its log."""
+
+
+def default_python() -> str:
+    """An interpreter with vLLM: this one if it has vLLM, else the repository's ``.venv-vllm``."""
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    return str(REPO / ".venv-vllm" / "bin" / "python")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One ``/v1/completions`` answer, reduced to what tests compare."""
+
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str | None
+    elapsed_s: float
+    raw: dict[str, Any]
+
+
+@dataclass
+class VllmServer:
+    """One vLLM OpenAI API server subprocess and the files it uses."""
+
+    name: str
+    model: Path
+    workdir: Path
+    core: int | None = None
+    port: int = field(default_factory=free_port)
+    block_size: int = 32
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    max_model_len: int = 1024
+    max_num_seqs: int = 16
+    eager: bool = True
+    seed: int = 0
+    extra_args: Sequence[str] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    python: str = field(default_factory=default_python)
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    healthy_after_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size % 32:
+            raise ValueError(f"block_size {self.block_size}: vLLM's CPU attention needs 32k")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / f"{self.name}.log"
+
+    # ------------------------------------------------------------ process
+
+    def command(self) -> list[str]:
+        cmd = [
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--model",
+            str(self.model),
+            "--served-model-name",
+            SERVED_NAME,
+            "--skip-tokenizer-init",
+            "--dtype",
+            "float32",
+            "--seed",
+            str(self.seed),
+            "--block-size",
+            str(self.block_size),
+            "--kv-cache-memory-bytes",
+            str(self.kv_cache_bytes),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--disable-uvicorn-access-log",
+        ]
+        if self.eager:
+            cmd.append("--enforce-eager")
+        return [*cmd, *self.extra_args]
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+            PYTHONUNBUFFERED="1",
+        )
+        if self.core is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.core)
+        env.update(self.env)
+        return env
+
+    def start(self) -> None:
+        """Start the server (returns at once; :meth:`wait_healthy` waits for it)."""
+        if self.proc is not None:
+            raise VllmServerError(f"{self.name} already started")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        core = self.core
+
+        def before_exec() -> None:
+            _die_with_parent()
+            if core is not None:
+                os.sched_setaffinity(0, {core})
+
+        with self.log.open("ab") as out:
+            self.started_at = time.monotonic()
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.environment(),
+                cwd=self.workdir,
+                start_new_session=True,
+                preexec_fn=before_exec,
+            )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_healthy(self, timeout_s: float = 240.0) -> float:
+        """Poll ``/health`` until it answers 200; the seconds since :meth:`start`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self.alive():
+                code = None if self.proc is None else self.proc.returncode
+                raise VllmServerError(f"{self.name} exited ({code}) before healthy" + self._tail())
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(self.url + "/health", timeout=2) as resp,
+            ):
+                if resp.status == 200:
+                    self.healthy_after_s = time.monotonic() - self.started_at
+                    return self.healthy_after_s
+            if time.monotonic() > deadline:
+                raise VllmServerError(
+                    f"{self.name} not healthy after {timeout_s:.0f} s" + self._tail()
+                )
+            time.sleep(0.2)
+
+    def pids(self) -> list[int]:
+        """The server's process and every descendant (engine core, worker, helpers)."""
+        if self.proc is None:
+            return []
+        return process_tree(self.proc.pid)
+
+    def pin(self) -> int:
+        """Pin every thread of every process of the server to its core; how many were pinned."""
+        if self.core is None:
+            return 0
+        return pin_threads(self.pids(), self.core)
+
+    def warm_up(self, prompt_len: int = 64, max_tokens: int = 4) -> Completion:
+        """One request (the first of a process is slow), then pin again."""
+        done = self.complete(list(range(2, 2 + prompt_len)), max_tokens)
+        self.pin()
+        return done
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM to the server's process group, SIGKILL after ``timeout_s``; its exit code.
+
+        Whatever of the group is still there after the server exits (a
+        helper that missed the shutdown) is killed too, and waited for.
+        """
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        # Then wait for the group to be gone (reaped by init), so that a
+        # caller that checks for leftovers right after sees none.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        return proc.returncode
+
+    def _tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return f"\n--- last lines of {self.log}:\n" + "\n".join(text)
+
+    # ------------------------------------------------------------ HTTP
+
+    def complete(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        *,
+        request_id: str | None = None,
+        timeout_s: float = 120.0,
+        **fields: Any,
+    ) -> Completion:
+        """Greedy ``/v1/completions`` of a token-id prompt, running exactly ``max_tokens``.
+
+        ``fields`` add to or override the request body (e.g.
+        ``kv_transfer_params``); ``request_id`` is sent as ``X-Request-Id``.
+        """
+        body: dict[str, Any] = {
+            "model": SERVED_NAME,
+            "prompt": [int(t) for t in prompt],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            **fields,
+        }
+        headers = {"Content-Type": "application/json"}
+        if request_id is not None:
+            headers["X-Request-Id"] = request_id
+        started = time.monotonic()
+        raw = self._post("/v1/completions", body, headers, timeout_s)
+        elapsed = time.monotonic() - started
+        choice = raw["choices"][0]
+        return Completion(
+            token_ids=list(choice["token_ids"]),
+            prompt_token_ids=list(choice.get("prompt_token_ids") or []),
+            finish_reason=choice.get("finish_reason"),
+            elapsed_s=elapsed,
+            raw=raw,
+        )
+
+    def metrics(self, timeout_s: float = 10.0) -> Metrics:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=timeout_s) as resp:
+            return Metrics.parse(resp.read().decode())
+
+    def _post(
+        self, path: str, body: dict[str, Any], headers: dict[str, str], timeout_s: float
+    ) -> dict[str, Any]:
+        req = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(), headers=headers, method="POST"
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                answer: dict[str, Any] = json.loads(resp.read())
+                return answer
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")
+            raise VllmServerError(f"{self.name} {path}: HTTP {e.code}: {detail}") from e
+
+
+# ------------------------------------------------------------ several servers
+
+
+def start_servers(
+    servers: Sequence[VllmServer], timeout_s: float = 240.0, warm_up: bool = True
+) -> None:
+    """Start every server at once, wait until all are healthy, pin, warm up, pin again.
+
+    On any failure every server is stopped before the error propagates.
+    """
+    ports = [s.port for s in servers]
+    if len(set(ports)) != len(ports):
+        raise ValueError(f"servers share a port: {ports}")
+    try:
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_healthy(timeout_s)
+            server.pin()
+        if warm_up:
+            for server in servers:
+                server.warm_up()
+    except BaseException:
+        stop_servers(servers)
+        raise
+
+
+def stop_servers(servers: Iterable[VllmServer]) -> None:
+    for server in servers:
+        server.stop()
+
+
+@contextlib.contextmanager
+def running(*servers: VllmServer, timeout_s: float = 240.0) -> Iterator[tuple[VllmServer, ...]]:
+    """``with running(a, b):`` starts both (:func:`start_servers`) and stops both after."""
+    start_servers(servers, timeout_s)
+    try:
+        yield servers
+    finally:
+        stop_servers(servers)
+
+
+# ------------------------------------------------------------ metrics
+
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Samples of a Prometheus text exposition: (name, sorted labels) -> value."""
+
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+    @classmethod
+    def parse(cls, text: str) -> Metrics:
+        samples = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            match = _SAMPLE.match(line)
+            if match is None:
+                continue
+            name, labels, value = match.groups()
+            pairs = tuple(sorted((k, _unescape(v)) for k, v in _LABEL.findall(labels or "")))
+            samples[(name, pairs)] = float(value)
+        return cls(samples)
+
+    def total(self, name: str, **labels: str) -> float:
+        """The sum of ``name``'s samples whose labels include ``labels`` (0.0 if none)."""
+        want = set(labels.items())
+        return sum(
+            value for (n, pairs), value in self.samples.items() if n == name and want <= set(pairs)
+        )
+
+    def names(self) -> set[str]:
+        return {name for name, _ in self.samples}
+
+
+def _unescape(value: str) -> str:
+    return value.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
+
+
+# ------------------------------------------------------------ /proc
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and its descendants, from ``/proc/PID/task/TID/children``."""
+    found = [root]
+    i = 0
+    while i < len(found):
+        pid = found[i]
+        i += 1
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
+                    found.extend(int(c) for c in f.read().split() if int(c) not in found)
+    return found
+
+
+def pin_threads(pids: Iterable[int], core: int) -> int:
+    """Set every thread of ``pids`` to run on ``core`` only; how many threads were set."""
+    pinned = 0
+    for pid in pids:
+        tids: list[str] = []
+        with contextlib.suppress(OSError):
+            tids = os.listdir(f"/proc/{pid}/task")
+        for tid in tids:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(tid), {core})
+                pinned += 1
+    return pinned
+
+
+def affinities(pids: Iterable[int]) -> dict[int, set[int]]:
+    """Thread id -> the cores it may run on, for every thread of ``pids``."""
+    out = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    out[int(tid)] = os.sched_getaffinity(int(tid))
+    return out
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
