@@ -73,8 +73,15 @@ RULES = (
         "client",
         "daemon/client/ imports only schemas, daemon.framing, msgspec and the standard library"
         " (and uvloop if installed)",
-        lambda m: is_under(m, ("daemon.client",)),
+        lambda m: is_under(m, ("daemon.client",)) and m != "daemon.client.vllm",
         _client_may_use,
+    ),
+    Rule(
+        "vllm-connector",
+        "daemon/client/vllm.py (loaded inside vLLM) imports what the client may, plus vllm and"
+        " torch: never the runtime, the data plane or nixl",
+        lambda m: m == "daemon.client.vllm",
+        lambda n: _client_may_use(n) or is_under(n, ("vllm", "torch")),
     ),
     Rule(
         "postmortem-ops",
@@ -199,6 +206,13 @@ BROKEN: dict[str, tuple[dict[str, str], list[str]]] = {
             "daemon.client.engine_client:2 -> daemon.framing:2 -> daemon.config",
             "daemon.client:1 -> daemon.client.engine_client:2 -> daemon.framing:2 -> daemon.config",
         ],
+    ),
+    "vllm-connector": (
+        {
+            "daemon.client.vllm": "import torch\nimport vllm\nfrom daemon.node import ledger\n",
+            "daemon.client.engine_client": "from daemon.framing import x\n",
+        },
+        ["daemon.client.vllm:3 -> daemon.node"],
     ),
     "postmortem-ops": (
         {

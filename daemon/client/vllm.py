@@ -1,0 +1,482 @@
+"""KvpushdConnector: vLLM's KV cache moved by kvpushd (a vLLM V1 KV connector).
+
+Loaded the out-of-tree way::
+
+    --kv-transfer-config '{"kv_connector": "KvpushdConnector",
+        "kv_connector_module_path": "daemon.client.vllm",
+        "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
+        "kv_connector_extra_config": {"socket": "/run/kvpushd/NODE.sock",
+                                      "node": "NODE", "address": "HOST:PORT"}}'
+
+``socket`` is this node's daemon; ``node`` and ``address`` name that daemon
+to a decode instance (they travel in ``kv_transfer_params``).
+
+vLLM runs a connector twice: in the scheduler (decides) and in each worker
+(talks to memory). Only the worker talks to the daemon: the daemon ties an
+engine's requests to the connection that registered the engine, and the
+worker is the one that owns the KV memory. The scheduler hands the worker
+what to register through the per-step connector metadata; the worker reports
+back through ``get_finished`` and ``get_block_ids_with_load_errors``. No call
+on vLLM's step path waits for the daemon: requests go out on a background
+thread, and events come back through a queue drained once per step.
+
+- Prefill (``do_remote_decode``): when the request finishes, its blocks stay
+  allocated (``delay_free``) and the worker registers a pusher request with
+  every block and says the KV is ready; ``blocks_freeable`` (or a failure)
+  ends the send and the blocks go back to vLLM.
+- Decode (``do_remote_prefill``): the prompt's tokens are external and load
+  asynchronously; after allocation the worker registers a receiver with the
+  blocks vLLM still has to fill (not those its own prefix cache already
+  holds: the daemon's tail trim pairs them with the prefill's last blocks).
+  ``kv_arrived`` ends the load; a failure ends it with its blocks reported as
+  load errors, so vLLM's ``kv_load_failure_policy`` applies.
+- Memory: ``get_mem_pool_context`` makes vLLM's one KV buffer a /dev/shm file
+  the daemon maps; ``register_kv_caches`` derives the layout (blocks, layers,
+  block bytes) from vLLM's tensors and registers the engine. The file's name
+  is removed once the daemon has mapped it; the memory stays shared.
+
+This is the only module of kvpushd that imports vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from daemon.client.engine_client import EngineClient
+from schemas import rpc
+from schemas.kvlayout import GroupSpec, LayerSpec, RegionSpec
+from schemas.layout import GroupKind, Role
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+# The daemon's reply to a registration waits for its fsync: bounded, not short.
+CALL_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class PushSpec:
+    """A finished prefill request whose blocks the daemon pushes."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ReceiveSpec:
+    """A decode request waiting for its prompt's KV in ``block_ids``."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    peer: str
+    peer_address: str
+
+
+@dataclass
+class KvpushdConnectorMetadata(KVConnectorMetadata):
+    push: list[PushSpec] = field(default_factory=list)
+    receive: list[ReceiveSpec] = field(default_factory=list)
+
+
+class KvpushdConnector(KVConnectorBase_V1):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: Any = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self._node = str(extra.get("node", ""))
+        self._address = str(extra.get("address", ""))
+        self._block_size = vllm_config.cache_config.block_size
+        self._scheduler: _SchedulerSide | None = None
+        self._worker: _WorkerSide | None = None
+        if role is KVConnectorRole.SCHEDULER:
+            self._scheduler = _SchedulerSide(self._node, self._address, self._block_size)
+        else:
+            socket_path = extra.get("socket")
+            if not socket_path:
+                raise ValueError("KvpushdConnector needs kv_connector_extra_config.socket")
+            engine_id = str(extra.get("engine_id") or f"vllm-{self._node or 'node'}-{os.getpid()}")
+            self._worker = _WorkerSide(str(socket_path), engine_id)
+
+    # ------------------------------------------------------------- scheduler
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        self._scheduler.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.take_metadata()
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.finished(request, block_ids)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._scheduler is not None:
+            self._scheduler.sent(connector_output.finished_sending or ())
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.pushing()
+
+    # ---------------------------------------------------------------- worker
+
+    def get_mem_pool_context(self) -> contextlib.AbstractContextManager[Any] | None:
+        assert self._worker is not None
+        return self._worker.shared_allocation()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KvpushdConnectorMetadata)
+        self._worker.post(metadata)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: the data lands between steps
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # the daemon pushes whole requests once they finish
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        return self._worker.finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+
+# ---------------------------------------------------------------- scheduler
+
+
+class _SchedulerSide:
+    def __init__(self, node: str, address: str, block_size: int) -> None:
+        self._node = node
+        self._address = address
+        self._block_size = block_size
+        self._pending = KvpushdConnectorMetadata()
+        self._pushing: set[str] = set()
+
+    def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill") or not params.get("kvpushd_transfer_id"):
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_prefill") or num_external_tokens <= 0:
+            return
+        # Only once: the second call (after the load) must not register again.
+        params["do_remote_prefill"] = False
+        (block_ids,) = blocks.get_unhashed_block_ids_all_groups()
+        self._pending.receive.append(
+            ReceiveSpec(
+                request.request_id,
+                str(params["kvpushd_transfer_id"]),
+                tuple(block_ids),
+                str(params["kvpushd_node"]),
+                str(params.get("kvpushd_address", "")),
+            )
+        )
+
+    def finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_decode") or not block_ids:
+            return False, None
+        transfer_id = request.request_id
+        self._pending.push.append(PushSpec(request.request_id, transfer_id, tuple(block_ids)))
+        self._pushing.add(request.request_id)
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "kvpushd_transfer_id": transfer_id,
+            "kvpushd_node": self._node,
+            "kvpushd_address": self._address,
+        }
+
+    def take_metadata(self) -> KvpushdConnectorMetadata:
+        metadata, self._pending = self._pending, KvpushdConnectorMetadata()
+        return metadata
+
+    def sent(self, request_ids: Any) -> None:
+        self._pushing.difference_update(request_ids)
+
+    def pushing(self) -> bool:
+        return bool(self._pushing)
+
+
+# ------------------------------------------------------------------- worker
+
+
+class _SharedAllocation(TorchFunctionMode):
+    """Turns vLLM's one flat int8 KV allocation into a /dev/shm file the daemon maps."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+        self.buffer: torch.Tensor | None = None
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if (
+            func is torch.zeros
+            and self.buffer is None
+            and kwargs.get("dtype") is torch.int8
+            and len(args) == 1
+            and isinstance(args[0], int)
+            and torch.device(kwargs.get("device", "cpu")).type == "cpu"
+        ):
+            size = args[0]
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, size)  # a new file reads as zeros
+            finally:
+                os.close(fd)
+            self.buffer = torch.from_file(str(self.path), shared=True, size=size, dtype=torch.int8)
+            return self.buffer
+        return func(*args, **kwargs)
+
+
+class _WorkerSide:
+    def __init__(self, socket_path: str, engine_id: str) -> None:
+        self._socket = socket_path
+        self._engine_id = engine_id
+        self._path = Path(SHM_DIR) / f"kvpushd-vllm-{engine_id}"
+        self._allocation: _SharedAllocation | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="kvpushd-connector", daemon=True
+        )
+        self._thread.start()
+        self._client: EngineClient | None = None
+        self._events: queue.SimpleQueue[rpc.Event] = queue.SimpleQueue()
+        # transfer id -> vLLM request id, and the receivers' blocks.
+        self._sending: dict[str, str] = {}
+        self._receiving: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self._done_sending: set[str] = set()
+        self._done_receiving: set[str] = set()
+        self._finished_seen: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._ids = itertools.count(1)
+
+    # memory -------------------------------------------------------------
+
+    def shared_allocation(self) -> _SharedAllocation:
+        self._allocation = _SharedAllocation(self._path)
+        return self._allocation
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        allocation = self._allocation
+        if allocation is None or allocation.buffer is None:
+            raise RuntimeError(
+                "KvpushdConnector: vLLM did not allocate its KV cache through "
+                "get_mem_pool_context(); the daemon cannot map it"
+            )
+        groups, region = _layout(kv_caches, allocation.buffer, self._path)
+        try:
+            self._run(self._connect_and_register(groups, region))
+        finally:
+            # Both sides hold the memory mapped (the daemon by descriptor), so
+            # the name can go now: no file outlives vLLM, even after kill -9.
+            self._path.unlink(missing_ok=True)
+
+    async def _connect_and_register(
+        self, groups: tuple[GroupSpec, ...], region: RegionSpec
+    ) -> None:
+        self._client = await EngineClient.connect(
+            self._socket, client_name=f"vllm:{self._engine_id}", on_event=self._events.put
+        )
+        await self._client.register_engine(self._engine_id, groups, (region,))
+        log.info("kvpushd: engine %s registered with %s", self._engine_id, self._socket)
+
+    # per step -----------------------------------------------------------
+
+    def post(self, metadata: KvpushdConnectorMetadata) -> None:
+        for push in metadata.push:
+            self._sending[push.transfer_id] = push.request_id
+            self._spawn(self._push(push))
+        for receive in metadata.receive:
+            self._receiving[receive.transfer_id] = (receive.request_id, receive.block_ids)
+            self._spawn(self._receive(receive))
+
+    async def _push(self, push: PushSpec) -> None:
+        client = self._need_client()
+        await client.register_request(
+            self._engine_id, push.transfer_id, Role.PUSHER, [list(push.block_ids)]
+        )
+        await client.kv_ready(push.transfer_id)
+
+    async def _receive(self, receive: ReceiveSpec) -> None:
+        client = self._need_client()
+        await client.register_request(
+            self._engine_id,
+            receive.transfer_id,
+            Role.RECEIVER,
+            [list(receive.block_ids)],
+            peer=receive.peer,
+            # The decode daemon dials the prefill's on demand if it has no link.
+            peer_address=receive.peer_address,
+        )
+
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._finished_seen.update(finished_req_ids)
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                break
+            self._on_event(event)
+        sending = {r for r in self._done_sending if r in self._finished_seen}
+        self._done_sending -= sending
+        self._finished_seen -= sending
+        receiving, self._done_receiving = self._done_receiving, set()
+        return sending or None, receiving or None
+
+    def _on_event(self, event: rpc.Event) -> None:
+        transfer_id = event.request_id
+        if transfer_id in self._sending and isinstance(
+            event, rpc.BlocksFreeable | rpc.RequestFailed
+        ):
+            self._done_sending.add(self._sending.pop(transfer_id))
+            self._spawn(self._release(transfer_id))
+        elif transfer_id in self._receiving and isinstance(
+            event, rpc.KvArrived | rpc.RequestFailed
+        ):
+            request_id, block_ids = self._receiving.pop(transfer_id)
+            if isinstance(event, rpc.RequestFailed):
+                # Never silently wrong KV: vLLM fails or recomputes these blocks.
+                self._load_errors.update(block_ids)
+                log.warning("kvpushd: %s failed: %s %s", transfer_id, event.reason, event.message)
+            self._done_receiving.add(request_id)
+            self._spawn(self._release(transfer_id))
+
+    async def _release(self, transfer_id: str) -> None:
+        await self._need_client().release(transfer_id)
+
+    def load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # plumbing -----------------------------------------------------------
+
+    def _need_client(self) -> EngineClient:
+        if self._client is None:
+            raise RuntimeError("KvpushdConnector: the engine is not registered with kvpushd")
+        return self._client
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        future.add_done_callback(_log_failure)
+
+    def _run(self, coro: Coroutine[Any, Any, None]) -> None:
+        asyncio.run_coroutine_threadsafe(coro, self._loop).result(CALL_TIMEOUT_S)
+
+    def close(self) -> None:
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                self._run(self._client.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        with contextlib.suppress(FileNotFoundError):
+            self._path.unlink()
+
+
+def _log_failure(future: Any) -> None:
+    exc = future.exception()
+    if exc is not None:
+        log.error("kvpushd: a daemon call failed: %r", exc)
+
+
+def _layout(
+    kv_caches: dict[str, torch.Tensor], buffer: torch.Tensor, path: Path
+) -> tuple[tuple[GroupSpec, ...], RegionSpec]:
+    """One attention group whose layers are vLLM's per-layer views of the shared buffer.
+
+    kvpushd's model: block ``b`` of layer ``l`` is ``block_bytes`` at
+    ``offset(l) + b * block_bytes``; vLLM's CPU cache is exactly that (each
+    layer's blocks back to back). Anything else is refused, not guessed.
+    """
+    base = buffer.data_ptr()
+    size = buffer.untyped_storage().nbytes()
+    layers: list[LayerSpec] = []
+    shape: tuple[int, int] | None = None
+    for name, tensor in kv_caches.items():
+        block_bytes = tensor.stride(0) * tensor.element_size()
+        if (
+            block_bytes != tensor[0].numel() * tensor.element_size()
+            or not tensor[0].is_contiguous()
+        ):
+            raise ValueError(f"KvpushdConnector: layer {name}'s blocks are not contiguous")
+        offset = tensor.data_ptr() - base
+        if not 0 <= offset <= size - tensor.shape[0] * block_bytes:
+            raise ValueError(f"KvpushdConnector: layer {name} lies outside the shared buffer")
+        if shape is not None and shape != (tensor.shape[0], block_bytes):
+            raise ValueError("KvpushdConnector: layers differ in block count or size")
+        shape = (tensor.shape[0], block_bytes)
+        layers.append(LayerSpec("kv", offset))
+    if shape is None:
+        raise ValueError("KvpushdConnector: vLLM registered no KV cache")
+    group = GroupSpec(GroupKind.ATTENTION, shape[0], shape[1], tuple(layers))
+    return (group,), RegionSpec("kv", size, path=str(path))

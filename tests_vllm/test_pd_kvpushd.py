@@ -1,0 +1,129 @@
+"""Real vLLM prefill/decode through two kvpushd daemons, token for token.
+
+A prefill instance (KvpushdConnector, kv_producer) and a decode instance
+(kv_consumer), each pinned to its own core, each beside its own daemon; the
+daemons have no [[peers]]: the decode daemon dials the prefill's on demand,
+at the address the prefill put in ``kv_transfer_params``. The router is
+this test: it sends a prompt to the prefill instance with
+``do_remote_decode`` and ``max_tokens=1``, then the same prompt to the
+decode instance with the ``kv_transfer_params`` the prefill returned. The
+oracle: the decode instance's greedy tokens equal a single instance's for
+the same prompt (the prefill instance itself, asked without transfer
+parameters: same weights), and the decode instance did not compute the
+prompt itself (its external-KV prompt-token counter moved).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from daemon.sim.launcher import Daemon, free_port
+from daemon.sim.vllm_servers import VllmServer, start_servers, stop_servers
+
+TOKENS = 8
+EXTERNAL = "vllm:prompt_tokens_by_source_total"
+
+
+def _kv_config(role: str, daemon: Daemon) -> str:
+    return json.dumps(
+        {
+            "kv_connector": "KvpushdConnector",
+            "kv_connector_module_path": "daemon.client.vllm",
+            "kv_role": role,
+            "kv_connector_extra_config": {
+                "socket": daemon.socket,
+                "node": daemon.node,
+                "address": f"127.0.0.1:{daemon.port}",
+            },
+        }
+    )
+
+
+PD = tuple[VllmServer, VllmServer, Daemon, Daemon]
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
+    workdir = tmp_path_factory.mktemp("pd")
+    prefill = Daemon("prefill", workdir, free_port()).start()
+    decode = Daemon("decode", workdir, free_port()).start()
+    cores = sorted(os.sched_getaffinity(0))
+    p = VllmServer(
+        "P", tiny_model, workdir, core=cores[0],
+        extra_args=["--kv-transfer-config", _kv_config("kv_producer", prefill)],
+    )  # fmt: skip
+    d = VllmServer(
+        "D", tiny_model, workdir, core=cores[-1],
+        extra_args=["--kv-transfer-config", _kv_config("kv_consumer", decode)],
+    )  # fmt: skip
+    try:
+        start_servers((p, d))
+        yield p, d, prefill, decode
+    finally:
+        stop_servers((p, d))
+        for daemon in (prefill, decode):
+            assert daemon.stop() == 0, daemon.logs()[-2000:]
+    # The connector removes the KV cache files it shared with its daemon.
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("kvpushd-vllm-")]
+
+
+def _pd(p: VllmServer, d: VllmServer, prompt: list[int], params: dict | None = None) -> list[int]:
+    """One request through the pair, as the router does; the decode side's tokens."""
+    first = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    sent = first.raw.get("kv_transfer_params")
+    assert sent and sent["kvpushd_transfer_id"] and sent["kvpushd_node"] == "prefill", sent
+    return d.complete(prompt, TOKENS, kv_transfer_params=params or sent).token_ids
+
+
+def _wait_idle(*daemons: Daemon, timeout: float = 30.0) -> None:
+    """Every request ends on both daemons (releases go out asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while any(daemon.status()["live"] for daemon in daemons):
+        assert time.monotonic() < deadline, [daemon.status()["requests"] for daemon in daemons]
+        time.sleep(0.1)
+
+
+def test_decode_tokens_equal_a_single_instance_and_the_prompt_came_from_the_prefill(
+    pd: PD,
+) -> None:
+    p, d, prefill, decode = pd
+    rng = random.Random(3)
+    written_before = prefill.status()["counters"]["writes_done"]
+    for length in (33, 64, 95, 200):
+        prompt = [rng.randrange(2, 512) for _ in range(length)]
+        single = p.complete(prompt, TOKENS).token_ids
+        before = d.metrics().total(EXTERNAL, source="external_kv_transfer")
+        assert _pd(p, d, prompt) == single, length
+        loaded = d.metrics().total(EXTERNAL, source="external_kv_transfer") - before
+        # The decode instance loaded the prompt instead of computing it.
+        assert loaded >= length - 1, (length, loaded)
+    _wait_idle(prefill, decode)
+    assert prefill.status()["counters"]["writes_done"] - written_before == 4
+    (link,) = decode.status()["peers"]
+    assert (link["node"], link["on_demand"], link["up"]) == ("prefill", True, True)
+    for server in (p, d):
+        metrics = server.metrics()
+        assert metrics.total("vllm:num_requests_running") == 0, server.name
+        assert metrics.total("vllm:num_requests_waiting") == 0, server.name
+
+
+def test_the_oracle_fails_when_the_decode_side_is_given_another_prompts_kv(pd: PD) -> None:
+    """Negative control: decode prompt B on the blocks of prompt A; its tokens change."""
+    p, d, prefill, decode = pd
+    rng = random.Random(4)
+    a = [rng.randrange(2, 512) for _ in range(96)]
+    b = [rng.randrange(2, 512) for _ in range(96)]
+    single_b = p.complete(b, TOKENS).token_ids
+    sent_a = p.complete(a, 1, kv_transfer_params={"do_remote_decode": True}).raw[
+        "kv_transfer_params"
+    ]
+    wrong = d.complete(b, TOKENS, kv_transfer_params=sent_a).token_ids
+    assert wrong != single_b
+    _wait_idle(prefill, decode)
