@@ -20,12 +20,15 @@ import os
 import random
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from daemon.journal.replay import replay
 from daemon.sim.launcher import Daemon, free_port
 from daemon.sim.vllm_servers import VllmServer, start_servers, stop_servers
+from schemas.events import Registered, Trimmed
 
 TOKENS = 8
 EXTERNAL = "vllm:prompt_tokens_by_source_total"
@@ -126,4 +129,52 @@ def test_the_oracle_fails_when_the_decode_side_is_given_another_prompts_kv(pd: P
     ]
     wrong = d.complete(b, TOKENS, kv_transfer_params=sent_a).token_ids
     assert wrong != single_b
+    _wait_idle(prefill, decode)
+
+
+def _transfer_records(daemon: Daemon, transfer_id: str) -> list:
+    """The journal records of one transfer on a daemon (read while it runs)."""
+    records: list = []
+    replay(daemon.journal, on_record=lambda record, touched: records.append(record))
+    return [r.event for r in records if getattr(r.event, "request_id", None) == transfer_id]
+
+
+def test_a_decode_prefix_hit_moves_only_the_tail_blocks(pd: PD) -> None:
+    """The decode instance already holds the prompt's first blocks: only the rest move.
+
+    Its connector registers the blocks vLLM still has to fill; the prefill
+    daemon pairs them with the prefill's last blocks (the tail trim), and the
+    tokens still equal a single instance's.
+    """
+    p, d, prefill, decode = pd
+    rng = random.Random(5)
+    shared = [rng.randrange(2, 512) for _ in range(64)]
+    d.complete([*shared, *(rng.randrange(2, 512) for _ in range(10))], 1)  # caches 2 blocks
+    prompt = [*shared, *(rng.randrange(2, 512) for _ in range(40))]  # 104 tokens: 4 blocks
+    single = p.complete(prompt, TOKENS).token_ids
+    first = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    sent = first.raw["kv_transfer_params"]
+    assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
+    _wait_idle(prefill, decode)
+    transfer = sent["kvpushd_transfer_id"]
+    (registered,) = [e for e in _transfer_records(decode, transfer) if isinstance(e, Registered)]
+    (trimmed,) = [e for e in _transfer_records(prefill, transfer) if isinstance(e, Trimmed)]
+    assert [len(ids) for ids in registered.blocks] == [2]  # the two blocks after the hit
+    assert (trimmed.src_before, trimmed.dst_before) == ((4,), (2,))
+    assert trimmed.dst == registered.blocks
+
+
+def test_thirty_two_concurrent_requests_with_shared_prefixes_are_token_exact(pd: PD) -> None:
+    p, d, prefill, decode = pd
+    rng = random.Random(6)
+    prefixes = [[rng.randrange(2, 512) for _ in range(32 * k)] for k in (1, 2, 3)]
+    prompts = [
+        [*prefixes[i % 3], *(rng.randrange(2, 512) for _ in range(rng.randrange(1, 70)))]
+        for i in range(32)
+    ]
+    singles = [p.complete(prompt, TOKENS).token_ids for prompt in prompts]
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        got = list(pool.map(lambda prompt: _pd(p, d, prompt), prompts))
+    wrong = [i for i, (a, b) in enumerate(zip(got, singles, strict=True)) if a != b]
+    assert wrong == []
     _wait_idle(prefill, decode)
