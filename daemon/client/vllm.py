@@ -61,6 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from daemon.client.engine_client import EngineClient
+from daemon.client.errors import ClientError, RpcError
 from schemas import rpc
 from schemas.kvlayout import GroupSpec, LayerSpec, RegionSpec
 from schemas.layout import GroupKind, Role
@@ -98,6 +99,15 @@ class ReceiveSpec:
     block_ids: tuple[int, ...]
     peer: str
     peer_address: str
+
+
+@dataclass(frozen=True)
+class GaveUp:
+    """A transfer the daemon will never report on (refused, or the daemon is gone)."""
+
+    request_id: str
+    reason: str
+    message: str
 
 
 @dataclass
@@ -311,7 +321,7 @@ class _WorkerSide:
         )
         self._thread.start()
         self._client: EngineClient | None = None
-        self._events: queue.SimpleQueue[rpc.Event] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[rpc.Event | GaveUp] = queue.SimpleQueue()
         # transfer id -> vLLM request id, and the receivers' blocks.
         self._sending: dict[str, str] = {}
         self._receiving: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -362,26 +372,44 @@ class _WorkerSide:
             self._spawn(self._receive(receive))
 
     async def _push(self, push: PushSpec) -> None:
-        client = self._need_client()
-        await client.register_request(
-            self._engine_id, push.transfer_id, Role.PUSHER, [list(push.block_ids)]
-        )
-        await client.kv_ready(push.transfer_id)
+        try:
+            client = self._need_client()
+            await client.register_request(
+                self._engine_id, push.transfer_id, Role.PUSHER, [list(push.block_ids)]
+            )
+            await client.kv_ready(push.transfer_id)
+        except (ClientError, RuntimeError) as exc:
+            # Refused, or no daemon: nothing will read these blocks, so vLLM may
+            # have them back; the decode side fails its load on its own.
+            self._gave_up(push.transfer_id, exc)
 
     async def _receive(self, receive: ReceiveSpec) -> None:
-        client = self._need_client()
-        await client.register_request(
-            self._engine_id,
-            receive.transfer_id,
-            Role.RECEIVER,
-            [list(receive.block_ids)],
-            peer=receive.peer,
-            # The decode daemon dials the prefill's on demand if it has no link.
-            peer_address=receive.peer_address,
-        )
+        try:
+            client = self._need_client()
+            await client.register_request(
+                self._engine_id,
+                receive.transfer_id,
+                Role.RECEIVER,
+                [list(receive.block_ids)],
+                peer=receive.peer,
+                # The decode daemon dials the prefill's on demand if it has no link.
+                peer_address=receive.peer_address,
+            )
+        except (ClientError, RuntimeError) as exc:
+            # Never registered: no write can target these blocks. The load
+            # ends as a load error, so vLLM recomputes or fails the request.
+            self._gave_up(receive.transfer_id, exc)
+
+    def _gave_up(self, transfer_id: str, exc: BaseException) -> None:
+        reason = exc.code if isinstance(exc, RpcError) else "daemon_unavailable"
+        log.warning("kvpushd: %s not registered: %s", transfer_id, exc)
+        self._events.put(GaveUp(transfer_id, reason, str(exc)))
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._finished_seen.update(finished_req_ids)
+        client = self._client
+        if client is not None and client.closed:
+            self._daemon_lost()
         while True:
             try:
                 event = self._events.get_nowait()
@@ -394,26 +422,36 @@ class _WorkerSide:
         receiving, self._done_receiving = self._done_receiving, set()
         return sending or None, receiving or None
 
-    def _on_event(self, event: rpc.Event) -> None:
+    def _on_event(self, event: rpc.Event | GaveUp) -> None:
         transfer_id = event.request_id
-        if transfer_id in self._sending and isinstance(
-            event, rpc.BlocksFreeable | rpc.RequestFailed
-        ):
+        failed = isinstance(event, rpc.RequestFailed | GaveUp)
+        if transfer_id in self._sending and (failed or isinstance(event, rpc.BlocksFreeable)):
             self._done_sending.add(self._sending.pop(transfer_id))
-            self._spawn(self._release(transfer_id))
-        elif transfer_id in self._receiving and isinstance(
-            event, rpc.KvArrived | rpc.RequestFailed
-        ):
+        elif transfer_id in self._receiving and (failed or isinstance(event, rpc.KvArrived)):
             request_id, block_ids = self._receiving.pop(transfer_id)
-            if isinstance(event, rpc.RequestFailed):
+            if failed:
                 # Never silently wrong KV: vLLM fails or recomputes these blocks.
                 self._load_errors.update(block_ids)
-                log.warning("kvpushd: %s failed: %s %s", transfer_id, event.reason, event.message)
+                log.warning("kvpushd: %s failed: %s", transfer_id, event)
             self._done_receiving.add(request_id)
+        else:
+            return
+        if not isinstance(event, GaveUp):
             self._spawn(self._release(transfer_id))
 
+    def _daemon_lost(self) -> None:
+        """The daemon is gone (it died, or stopped): end every transfer it held.
+
+        A prefill's blocks are no longer read by anyone (the daemon's NIXL
+        agent died with it). A decode's blocks: its peer fences a dead daemon
+        and fails the write; the loads end as load errors, never as arrived.
+        """
+        for transfer_id in [*self._sending, *self._receiving]:
+            self._events.put(GaveUp(transfer_id, "daemon_unavailable", "connection lost"))
+
     async def _release(self, transfer_id: str) -> None:
-        await self._need_client().release(transfer_id)
+        with contextlib.suppress(ClientError):  # the daemon's deadline releases it anyway
+            await self._need_client().release(transfer_id)
 
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

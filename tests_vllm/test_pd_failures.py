@@ -1,0 +1,97 @@
+"""Real vLLM P/D when the prefill daemon dies: a load error, never wrong tokens.
+
+The decode instance runs with ``kv_load_failure_policy=recompute``: when its
+KV cannot come (the prefill daemon was killed with SIGKILL after the
+prefill ran and before the decode side registered), the connector reports
+the blocks as load errors and vLLM recomputes the prompt, so the output
+still equals a single instance's. Both connectors end every transfer they
+held: the prefill's blocks go back to vLLM (nothing can read them any
+more), the decode's load ends as failed, and the decode daemon ends empty.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from daemon.sim.launcher import Daemon, free_port
+from daemon.sim.vllm_servers import VllmServer, start_servers, stop_servers
+
+TOKENS = 8
+
+
+def _kv_config(role: str, daemon: Daemon, **more: object) -> str:
+    return json.dumps(
+        {
+            "kv_connector": "KvpushdConnector",
+            "kv_connector_module_path": "daemon.client.vllm",
+            "kv_role": role,
+            "kv_connector_extra_config": {
+                "socket": daemon.socket,
+                "node": daemon.node,
+                "address": f"127.0.0.1:{daemon.port}",
+            },
+            **more,
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def recompute_pd(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[VllmServer, VllmServer, Daemon, Daemon]]:
+    workdir = tmp_path_factory.mktemp("pd-fail")
+    prefill = Daemon("prefill", workdir, free_port()).start()
+    decode = Daemon("decode", workdir, free_port()).start()
+    cores = sorted(os.sched_getaffinity(0))
+    p = VllmServer(
+        "P", tiny_model, workdir, core=cores[0],
+        extra_args=["--kv-transfer-config", _kv_config("kv_producer", prefill)],
+    )  # fmt: skip
+    d = VllmServer(
+        "D", tiny_model, workdir, core=cores[-1],
+        extra_args=[
+            "--kv-transfer-config",
+            _kv_config("kv_consumer", decode, kv_load_failure_policy="recompute"),
+        ],
+    )  # fmt: skip
+    try:
+        start_servers((p, d))
+        yield p, d, prefill, decode
+    finally:
+        stop_servers((p, d))
+        if prefill.proc is not None and prefill.proc.poll() is None:
+            prefill.stop()
+        assert decode.stop() == 0, decode.logs()[-2000:]
+
+
+def test_a_killed_prefill_daemon_makes_a_load_error_and_vllm_recomputes(recompute_pd) -> None:
+    p, d, prefill, decode = recompute_pd
+    rng = random.Random(7)
+    prompt = [rng.randrange(2, 512) for _ in range(100)]
+    single = p.complete(prompt, TOKENS).token_ids
+    first = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    sent = first.raw["kv_transfer_params"]
+    refused_before = decode.status()["counters"]["refusals"]
+    prefill.kill()  # SIGKILL: its pusher request was registered and ready
+    got = d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids
+    assert got == single  # recomputed, never wrong
+    # The decode daemon refused the receiver (peer_unreachable): a load error.
+    assert decode.status()["counters"]["refusals"] == refused_before + 1
+    assert "Recovered from KV load failure" in d.log.read_text()
+    deadline = time.monotonic() + 30
+    while decode.status()["live"]:
+        assert time.monotonic() < deadline, decode.status()["requests"]
+        time.sleep(0.1)
+    # The decode engine never registered a receiver it could not be sure of.
+    metrics = d.metrics()
+    assert metrics.total("vllm:num_requests_running") == 0
+    assert metrics.total("vllm:num_requests_waiting") == 0
+    # The prefill instance got its blocks back and keeps serving.
+    assert p.complete(prompt, TOKENS).token_ids == single
