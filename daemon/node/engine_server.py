@@ -115,7 +115,7 @@ class EngineApi(Protocol):
 
     async def rpc_abort(self, session: Session, req: rpc.Abort) -> rpc.Reply: ...
 
-    async def record_refusal(self, request: rpc.Request, refusal: Refusal) -> None: ...
+    async def record_refusal(self, request: rpc.Request, refusal: Refusal) -> bool: ...
 
     def engine_disconnected(self, session: Session) -> None: ...
 
@@ -271,7 +271,8 @@ class EngineServer:
         except Refusal as refusal:
             # Journaled (durably, before the engine hears of it) so that a
             # postmortem sees every refusal in order, not only the engine.
-            await self.node.record_refusal(request, refusal)
+            if not await self.node.record_refusal(request, refusal):
+                return rpc.Error(request.id, rpc.SHUTTING_DOWN, "the journal failed")
             return rpc.Error(request.id, refusal.reason.value, refusal.message)
         except RegionError as exc:
             return rpc.Error(request.id, exc.code or rpc.BAD_REGION, str(exc))

@@ -396,10 +396,14 @@ class Node:
         await self.ledger.commit(events, Cause.ENGINE)
         return rpc.Ok(req.id)
 
-    async def record_refusal(self, request: Any, refusal: Refusal) -> None:
-        """Journal a refused engine request; the registry itself is unchanged."""
+    async def record_refusal(self, request: Any, refusal: Refusal) -> bool:
+        """Journal a refused engine request; the registry itself is unchanged.
+
+        False when the refusal is not durable (the journal failed): then the
+        engine must not be told of it either (persist before telling).
+        """
         if self.fatal is not None or self._ledger is None:
-            return
+            return False
         self.counters["refusals"] += 1
         event = Refused(
             getattr(request, "request_id", ""),
@@ -408,8 +412,11 @@ class Node:
             refusal.reason,
             refusal.message,
         )
-        with contextlib.suppress(JournalFatal):
+        try:
             await self.ledger.commit([event], Cause.ENGINE)
+        except JournalFatal:
+            return False
+        return True
 
     def status(self) -> StatusDocument:
         return status_document(self, VERSION)

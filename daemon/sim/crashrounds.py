@@ -187,14 +187,24 @@ class CrashEngine(SimEngine):
         self.generation += 1
         self._watch_pump()
 
-    async def _register(self, request_id: str, incarnation: int, *args: Any) -> Any:
+    async def _register(
+        self,
+        request_id: str,
+        incarnation: int,
+        blocks: Any,
+        peer: str,
+        live: Any,
+        peer_address: str = "",
+    ) -> Any:
         try:
-            return await super()._register(request_id, incarnation, *args)
+            return await super()._register(
+                request_id, incarnation, blocks, peer, live, peer_address
+            )
         except ConnectionLost:
             # The daemon may have journaled the registration before it died:
             # until it says otherwise the blocks stay this request's, exempt
             # from "nothing else changed" (the base class forgets them).
-            self._live[(request_id, incarnation)] = args[-1]
+            self._live[(request_id, incarnation)] = live
             raise
 
     def seen(self, request_id: str, kinds: tuple[type, ...]) -> rpc.Event | None:
