@@ -1,4 +1,11 @@
-"""Real vLLM P/D when the prefill daemon dies: a load error, never wrong tokens.
+"""Real vLLM P/D when things go wrong: a load error or a held block, never wrong tokens.
+
+Abort: the decode client gives up while the prefill daemon's write is in
+flight (a failpoint holds it just before it is posted). vLLM keeps the
+request's blocks until the connector says the load is over, which it says
+only once the daemon released them (after the pusher's final word), so the
+late write lands in blocks nobody else uses; later requests reuse them and
+their tokens still equal a single instance's.
 
 The decode instance runs with ``kv_load_failure_policy=recompute``: when its
 KV cannot come (the prefill daemon was killed with SIGKILL after the
@@ -20,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from daemon.journal.replay import replay
 from daemon.sim.launcher import Daemon, free_port
 from daemon.sim.vllm_servers import VllmServer, start_servers, stop_servers
 
@@ -47,7 +55,10 @@ def recompute_pd(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[VllmServer, VllmServer, Daemon, Daemon]]:
     workdir = tmp_path_factory.mktemp("pd-fail")
-    prefill = Daemon("prefill", workdir, free_port()).start()
+    # Every push waits 1.5 s before it is posted: long enough for a client to give up.
+    prefill = Daemon(
+        "prefill", workdir, free_port(), env={"KVPUSHD_FAILPOINTS": "nixl.post=sleep:1.5"}
+    ).start()
     decode = Daemon("decode", workdir, free_port()).start()
     cores = sorted(os.sched_getaffinity(0))
     p = VllmServer(
@@ -69,6 +80,50 @@ def recompute_pd(
         if prefill.proc is not None and prefill.proc.poll() is None:
             prefill.stop()
         assert decode.stop() == 0, decode.logs()[-2000:]
+
+
+def test_a_decode_aborted_while_the_write_is_in_flight_keeps_its_blocks_until_released(
+    recompute_pd,
+) -> None:
+    p, d, prefill, decode = recompute_pd
+    rng = random.Random(8)
+    prompt = [rng.randrange(2, 512) for _ in range(128)]
+    sent = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True}).raw[
+        "kv_transfer_params"
+    ]
+    transfer = sent["kvpushd_transfer_id"]
+    with pytest.raises(OSError):  # the client gives up (and disconnects) at 0.5 s
+        d.complete(prompt, TOKENS, kv_transfer_params=sent, timeout_s=0.5)
+    deadline = time.monotonic() + 30
+    while decode.status()["live"] or prefill.status()["live"]:
+        assert time.monotonic() < deadline, decode.status()["requests"]
+        time.sleep(0.1)
+    events = [type(e).__name__ for e in _events(decode, transfer)]
+    # Aborted while the write was in flight; the release waited for the pusher's word.
+    assert events == [
+        "Registered",
+        "WriteStarted",
+        "Failed",
+        "ReleaseDeferred",
+        "PeerSettled",
+        "Released",
+    ], events
+    # The blocks went back to vLLM and serve others: outputs stay exact.
+    for length in (40, 128, 150):
+        other = [rng.randrange(2, 512) for _ in range(length)]
+        single = p.complete(other, TOKENS).token_ids
+        got_p = p.complete(other, 1, kv_transfer_params={"do_remote_decode": True})
+        got = d.complete(other, TOKENS, kv_transfer_params=got_p.raw["kv_transfer_params"])
+        assert got.token_ids == single, length
+    metrics = d.metrics()
+    assert metrics.total("vllm:num_requests_running") == 0
+    assert metrics.total("vllm:num_requests_waiting") == 0
+
+
+def _events(daemon: Daemon, transfer_id: str) -> list:
+    records: list = []
+    replay(daemon.journal, on_record=lambda record, touched: records.append(record))
+    return [r.event for r in records if getattr(r.event, "request_id", None) == transfer_id]
 
 
 def test_a_killed_prefill_daemon_makes_a_load_error_and_vllm_recomputes(recompute_pd) -> None:

@@ -102,6 +102,13 @@ class ReceiveSpec:
 
 
 @dataclass(frozen=True)
+class Freed:
+    """The daemon released a receiver whose load failed: its blocks are vLLM's again."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
 class GaveUp:
     """A transfer the daemon will never report on (refused, or the daemon is gone)."""
 
@@ -114,6 +121,8 @@ class GaveUp:
 class KvpushdConnectorMetadata(KVConnectorMetadata):
     push: list[PushSpec] = field(default_factory=list)
     receive: list[ReceiveSpec] = field(default_factory=list)
+    # Decode requests vLLM finished (aborted) while their KV was loading.
+    abort: list[str] = field(default_factory=list)
 
 
 class KvpushdConnector(KVConnectorBase_V1):
@@ -165,7 +174,9 @@ class KvpushdConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None:
-            self._scheduler.sent(connector_output.finished_sending or ())
+            self._scheduler.sent(
+                connector_output.finished_sending or (), connector_output.finished_recving or ()
+            )
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.pushing()
@@ -220,6 +231,7 @@ class _SchedulerSide:
         self._block_size = block_size
         self._pending = KvpushdConnectorMetadata()
         self._pushing: set[str] = set()
+        self._loading: set[str] = set()
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
@@ -237,6 +249,7 @@ class _SchedulerSide:
         # Only once: the second call (after the load) must not register again.
         params["do_remote_prefill"] = False
         (block_ids,) = blocks.get_unhashed_block_ids_all_groups()
+        self._loading.add(request.request_id)
         self._pending.receive.append(
             ReceiveSpec(
                 request.request_id,
@@ -250,6 +263,13 @@ class _SchedulerSide:
     def finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        if request.request_id in self._loading:
+            # Finished while loading (an abort): vLLM keeps its blocks until the
+            # worker reports the load over, which it does once the daemon
+            # released them; the daemon is told to give the transfer up.
+            self._loading.discard(request.request_id)
+            self._pending.abort.append(request.request_id)
+            return False, None
         params = request.kv_transfer_params or {}
         if not params.get("do_remote_decode") or not block_ids:
             return False, None
@@ -268,8 +288,9 @@ class _SchedulerSide:
         metadata, self._pending = self._pending, KvpushdConnectorMetadata()
         return metadata
 
-    def sent(self, request_ids: Any) -> None:
+    def sent(self, request_ids: Any, received: Any) -> None:
         self._pushing.difference_update(request_ids)
+        self._loading.difference_update(received)
 
     def pushing(self) -> bool:
         return bool(self._pushing)
@@ -321,7 +342,7 @@ class _WorkerSide:
         )
         self._thread.start()
         self._client: EngineClient | None = None
-        self._events: queue.SimpleQueue[rpc.Event | GaveUp] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[rpc.Event | GaveUp | Freed] = queue.SimpleQueue()
         # transfer id -> vLLM request id, and the receivers' blocks.
         self._sending: dict[str, str] = {}
         self._receiving: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -370,6 +391,8 @@ class _WorkerSide:
         for receive in metadata.receive:
             self._receiving[receive.transfer_id] = (receive.request_id, receive.block_ids)
             self._spawn(self._receive(receive))
+        if metadata.abort:
+            self.abort(metadata.abort)
 
     async def _push(self, push: PushSpec) -> None:
         try:
@@ -422,22 +445,63 @@ class _WorkerSide:
         receiving, self._done_receiving = self._done_receiving, set()
         return sending or None, receiving or None
 
-    def _on_event(self, event: rpc.Event | GaveUp) -> None:
+    def _on_event(self, event: rpc.Event | GaveUp | Freed) -> None:
         transfer_id = event.request_id
-        failed = isinstance(event, rpc.RequestFailed | GaveUp)
-        if transfer_id in self._sending and (failed or isinstance(event, rpc.BlocksFreeable)):
-            self._done_sending.add(self._sending.pop(transfer_id))
-        elif transfer_id in self._receiving and (failed or isinstance(event, rpc.KvArrived)):
-            request_id, block_ids = self._receiving.pop(transfer_id)
-            if failed:
-                # Never silently wrong KV: vLLM fails or recomputes these blocks.
-                self._load_errors.update(block_ids)
-                log.warning("kvpushd: %s failed: %s", transfer_id, event)
-            self._done_receiving.add(request_id)
-        else:
+        if transfer_id in self._sending:
+            # A pusher's blocks are only read while it writes: once the write
+            # is over (or never happens), vLLM may have them back.
+            if isinstance(event, rpc.BlocksFreeable | rpc.RequestFailed | GaveUp):
+                self._done_sending.add(self._sending.pop(transfer_id))
+                if not isinstance(event, GaveUp):
+                    self._spawn(self._release(transfer_id))
             return
-        if not isinstance(event, GaveUp):
+        if transfer_id not in self._receiving:
+            return
+        if isinstance(event, rpc.KvArrived):
+            # Done is settled: the write is over, the blocks hold the KV.
+            request_id, _ = self._receiving.pop(transfer_id)
+            self._done_receiving.add(request_id)
             self._spawn(self._release(transfer_id))
+        elif isinstance(event, rpc.RequestFailed):
+            # The data will not come, but a write may still be in flight
+            # (quarantine): the blocks go back to vLLM only once the daemon
+            # has released the request.
+            log.warning("kvpushd: %s failed: %s %s", transfer_id, event.reason, event.message)
+            self._spawn(self._release_then_free(transfer_id))
+        elif isinstance(event, rpc.Released):
+            self._events.put(Freed(transfer_id))  # a deferred release was carried out
+        elif isinstance(event, GaveUp | Freed):
+            request_id, block_ids = self._receiving.pop(transfer_id)
+            # Never silently wrong KV: vLLM fails or recomputes these blocks.
+            self._load_errors.update(block_ids)
+            self._done_receiving.add(request_id)
+
+    async def _release_then_free(self, transfer_id: str) -> None:
+        try:
+            reply = await self._need_client().release(transfer_id)
+        except (ClientError, RuntimeError) as exc:
+            # Already released (stale), or no daemon: nothing holds the blocks.
+            log.warning("kvpushd: release of %s: %s", transfer_id, exc)
+            self._events.put(Freed(transfer_id))
+            return
+        if isinstance(reply, rpc.Ok):
+            self._events.put(Freed(transfer_id))
+        # Deferred: the daemon sends Released when the quarantine lifts.
+
+    def abort(self, request_ids: list[str]) -> None:
+        """vLLM finished these decode requests while their KV was still loading."""
+        for request_id in request_ids:
+            for transfer_id, (owner, _) in self._receiving.items():
+                if owner == request_id:
+                    self._spawn(self._abort(transfer_id))
+                    break
+
+    async def _abort(self, transfer_id: str) -> None:
+        # The daemon cancels the push (or keeps the blocks until the pusher's
+        # final word); the blocks come back through the release.
+        with contextlib.suppress(ClientError):
+            await self._need_client().abort(transfer_id)
+        await self._release_then_free(transfer_id)
 
     def _daemon_lost(self) -> None:
         """The daemon is gone (it died, or stopped): end every transfer it held.
