@@ -18,7 +18,6 @@ more), the decode's load ends as failed, and the decode daemon ends empty.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import time
@@ -27,27 +26,15 @@ from pathlib import Path
 
 import pytest
 
-from daemon.journal.replay import replay
 from daemon.sim.launcher import Daemon, free_port
-from daemon.sim.vllm_servers import VllmServer, start_servers, stop_servers
+from daemon.sim.vllm_servers import (
+    VllmServer,
+    kvpushd_connector_config,
+    start_servers,
+    stop_servers,
+)
 
 TOKENS = 8
-
-
-def _kv_config(role: str, daemon: Daemon, **more: object) -> str:
-    return json.dumps(
-        {
-            "kv_connector": "KvpushdConnector",
-            "kv_connector_module_path": "daemon.client.vllm",
-            "kv_role": role,
-            "kv_connector_extra_config": {
-                "socket": daemon.socket,
-                "node": daemon.node,
-                "address": f"127.0.0.1:{daemon.port}",
-            },
-            **more,
-        }
-    )
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +50,13 @@ def recompute_pd(
     cores = sorted(os.sched_getaffinity(0))
     p = VllmServer(
         "P", tiny_model, workdir, core=cores[0],
-        extra_args=["--kv-transfer-config", _kv_config("kv_producer", prefill)],
+        extra_args=["--kv-transfer-config", kvpushd_connector_config("kv_producer", prefill)],
     )  # fmt: skip
     d = VllmServer(
         "D", tiny_model, workdir, core=cores[-1],
         extra_args=[
             "--kv-transfer-config",
-            _kv_config("kv_consumer", decode, kv_load_failure_policy="recompute"),
+            kvpushd_connector_config("kv_consumer", decode, kv_load_failure_policy="recompute"),
         ],
     )  # fmt: skip
     try:
@@ -98,7 +85,7 @@ def test_a_decode_aborted_while_the_write_is_in_flight_keeps_its_blocks_until_re
     while decode.status()["live"] or prefill.status()["live"]:
         assert time.monotonic() < deadline, decode.status()["requests"]
         time.sleep(0.1)
-    events = [type(e).__name__ for e in _events(decode, transfer)]
+    events = [type(e).__name__ for e in decode.journal_events(transfer)]
     # Aborted while the write was in flight; the release waited for the pusher's word.
     assert events == [
         "Registered",
@@ -118,12 +105,6 @@ def test_a_decode_aborted_while_the_write_is_in_flight_keeps_its_blocks_until_re
     metrics = d.metrics()
     assert metrics.total("vllm:num_requests_running") == 0
     assert metrics.total("vllm:num_requests_waiting") == 0
-
-
-def _events(daemon: Daemon, transfer_id: str) -> list:
-    records: list = []
-    replay(daemon.journal, on_record=lambda record, touched: records.append(record))
-    return [r.event for r in records if getattr(r.event, "request_id", None) == transfer_id]
 
 
 def test_a_killed_prefill_daemon_makes_a_load_error_and_vllm_recomputes(recompute_pd) -> None:

@@ -15,7 +15,6 @@ prompt itself (its external-KV prompt-token counter moved).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import time
@@ -25,28 +24,17 @@ from pathlib import Path
 
 import pytest
 
-from daemon.journal.replay import replay
 from daemon.sim.launcher import Daemon, free_port
-from daemon.sim.vllm_servers import VllmServer, start_servers, stop_servers
+from daemon.sim.vllm_servers import (
+    VllmServer,
+    kvpushd_connector_config,
+    start_servers,
+    stop_servers,
+)
 from schemas.events import Registered, Trimmed
 
 TOKENS = 8
 EXTERNAL = "vllm:prompt_tokens_by_source_total"
-
-
-def _kv_config(role: str, daemon: Daemon) -> str:
-    return json.dumps(
-        {
-            "kv_connector": "KvpushdConnector",
-            "kv_connector_module_path": "daemon.client.vllm",
-            "kv_role": role,
-            "kv_connector_extra_config": {
-                "socket": daemon.socket,
-                "node": daemon.node,
-                "address": f"127.0.0.1:{daemon.port}",
-            },
-        }
-    )
 
 
 PD = tuple[VllmServer, VllmServer, Daemon, Daemon]
@@ -60,11 +48,11 @@ def pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
     cores = sorted(os.sched_getaffinity(0))
     p = VllmServer(
         "P", tiny_model, workdir, core=cores[0],
-        extra_args=["--kv-transfer-config", _kv_config("kv_producer", prefill)],
+        extra_args=["--kv-transfer-config", kvpushd_connector_config("kv_producer", prefill)],
     )  # fmt: skip
     d = VllmServer(
         "D", tiny_model, workdir, core=cores[-1],
-        extra_args=["--kv-transfer-config", _kv_config("kv_consumer", decode)],
+        extra_args=["--kv-transfer-config", kvpushd_connector_config("kv_consumer", decode)],
     )  # fmt: skip
     try:
         start_servers((p, d))
@@ -132,13 +120,6 @@ def test_the_oracle_fails_when_the_decode_side_is_given_another_prompts_kv(pd: P
     _wait_idle(prefill, decode)
 
 
-def _transfer_records(daemon: Daemon, transfer_id: str) -> list:
-    """The journal records of one transfer on a daemon (read while it runs)."""
-    records: list = []
-    replay(daemon.journal, on_record=lambda record, touched: records.append(record))
-    return [r.event for r in records if getattr(r.event, "request_id", None) == transfer_id]
-
-
 def test_a_decode_prefix_hit_moves_only_the_tail_blocks(pd: PD) -> None:
     """The decode instance already holds the prompt's first blocks: only the rest move.
 
@@ -157,8 +138,8 @@ def test_a_decode_prefix_hit_moves_only_the_tail_blocks(pd: PD) -> None:
     assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
     _wait_idle(prefill, decode)
     transfer = sent["kvpushd_transfer_id"]
-    (registered,) = [e for e in _transfer_records(decode, transfer) if isinstance(e, Registered)]
-    (trimmed,) = [e for e in _transfer_records(prefill, transfer) if isinstance(e, Trimmed)]
+    (registered,) = [e for e in decode.journal_events(transfer) if isinstance(e, Registered)]
+    (trimmed,) = [e for e in prefill.journal_events(transfer) if isinstance(e, Trimmed)]
     assert [len(ids) for ids in registered.blocks] == [2]  # the two blocks after the hit
     assert (trimmed.src_before, trimmed.dst_before) == ((4,), (2,))
     assert trimmed.dst == registered.blocks

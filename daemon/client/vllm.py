@@ -79,6 +79,8 @@ log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 # The daemon's reply to a registration waits for its fsync: bounded, not short.
 CALL_TIMEOUT_S = 30.0
+# Finished request ids remembered until their send ends (pruned past this many).
+_MAX_SEEN = 65536
 
 
 @dataclass(frozen=True)
@@ -430,6 +432,9 @@ class _WorkerSide:
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._finished_seen.update(finished_req_ids)
+        if len(self._finished_seen) > _MAX_SEEN:
+            # Only sends wait for vLLM to name them finished: forget the others.
+            self._finished_seen &= set(self._sending.values()) | self._done_sending
         client = self._client
         if client is not None and client.closed:
             self._daemon_lost()

@@ -240,6 +240,19 @@ class Daemon:
     def logs(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def journal_events(self, request_id: str) -> list[Any]:
+        """The journaled events of one request, in order (read while the daemon runs)."""
+        from daemon.journal.replay import replay
+
+        events: list[Any] = []
+
+        def collect(record: Any, touched: object) -> None:
+            if getattr(record.event, "request_id", None) == request_id:
+                events.append(record.event)
+
+        replay(self.journal, on_record=collect)
+        return events
+
     def stop(self, timeout: float = 15.0) -> int:
         """SIGTERM and wait for the exit status; a daemon that hangs is killed, then re-raised."""
         if self.proc is None or self.proc.poll() is not None:

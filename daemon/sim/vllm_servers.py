@@ -323,6 +323,27 @@ class VllmServer:
             raise VllmServerError(f"{self.name} {path}: HTTP {e.code}: {detail}") from e
 
 
+def kvpushd_connector_config(role: str, daemon: Any, **more: Any) -> str:
+    """``--kv-transfer-config`` for a server using KvpushdConnector beside ``daemon``.
+
+    ``daemon`` is a :class:`daemon.sim.launcher.Daemon`; ``role`` is vLLM's
+    ``kv_role``; ``more`` adds top-level fields (``kv_load_failure_policy``...).
+    """
+    return json.dumps(
+        {
+            "kv_connector": "KvpushdConnector",
+            "kv_connector_module_path": "daemon.client.vllm",
+            "kv_role": role,
+            "kv_connector_extra_config": {
+                "socket": daemon.socket,
+                "node": daemon.node,
+                "address": f"127.0.0.1:{daemon.port}",
+            },
+            **more,
+        }
+    )
+
+
 # ------------------------------------------------------------ several servers
 
 
