@@ -18,7 +18,6 @@ more), the decode's load ends as failed, and the decode daemon ends empty.
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections.abc import Iterator
@@ -26,13 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.sim.launcher import Daemon, free_port
-from daemon.sim.vllm_servers import (
-    VllmServer,
-    kvpushd_connector_config,
-    start_servers,
-    stop_servers,
-)
+from daemon.sim.launcher import Daemon
+from daemon.sim.vllm_servers import VllmServer, VllmServerError, kvpushd_pd
 
 TOKENS = 8
 
@@ -41,32 +35,14 @@ TOKENS = 8
 def recompute_pd(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[VllmServer, VllmServer, Daemon, Daemon]]:
-    workdir = tmp_path_factory.mktemp("pd-fail")
-    # Every push waits 1.5 s before it is posted: long enough for a client to give up.
-    prefill = Daemon(
-        "prefill", workdir, free_port(), env={"KVPUSHD_FAILPOINTS": "nixl.post=sleep:1.5"}
-    ).start()
-    decode = Daemon("decode", workdir, free_port()).start()
-    cores = sorted(os.sched_getaffinity(0))
-    p = VllmServer(
-        "P", tiny_model, workdir, core=cores[0],
-        extra_args=["--kv-transfer-config", kvpushd_connector_config("kv_producer", prefill)],
-    )  # fmt: skip
-    d = VllmServer(
-        "D", tiny_model, workdir, core=cores[-1],
-        extra_args=[
-            "--kv-transfer-config",
-            kvpushd_connector_config("kv_consumer", decode, kv_load_failure_policy="recompute"),
-        ],
-    )  # fmt: skip
-    try:
-        start_servers((p, d))
-        yield p, d, prefill, decode
-    finally:
-        stop_servers((p, d))
-        if prefill.proc is not None and prefill.proc.poll() is None:
-            prefill.stop()
-        assert decode.stop() == 0, decode.logs()[-2000:]
+    with kvpushd_pd(
+        tiny_model,
+        tmp_path_factory.mktemp("pd-fail"),
+        # Every push waits 1.5 s before it is posted: long enough for a client to give up.
+        prefill_env={"KVPUSHD_FAILPOINTS": "nixl.post=sleep:1.5"},
+        kv_load_failure_policy="recompute",
+    ) as pair:
+        yield pair
 
 
 def test_a_decode_aborted_while_the_write_is_in_flight_keeps_its_blocks_until_released(
@@ -131,3 +107,22 @@ def test_a_killed_prefill_daemon_makes_a_load_error_and_vllm_recomputes(recomput
     assert metrics.total("vllm:num_requests_waiting") == 0
     # The prefill instance got its blocks back and keeps serving.
     assert p.complete(prompt, TOKENS).token_ids == single
+
+
+def test_with_the_fail_policy_the_client_gets_an_error_never_wrong_tokens(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    with kvpushd_pd(
+        tiny_model, tmp_path_factory.mktemp("pd-fail-policy"), kv_load_failure_policy="fail"
+    ) as (p, d, prefill, decode):
+        rng = random.Random(9)
+        prompt = [rng.randrange(2, 512) for _ in range(100)]
+        first = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True})
+        prefill.kill()
+        with pytest.raises(VllmServerError):
+            d.complete(prompt, TOKENS, kv_transfer_params=first.raw["kv_transfer_params"])
+        deadline = time.monotonic() + 30
+        while decode.status()["live"]:
+            assert time.monotonic() < deadline, decode.status()["requests"]
+            time.sleep(0.1)
+        assert d.metrics().total("vllm:num_requests_running") == 0

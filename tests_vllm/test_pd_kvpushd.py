@@ -24,13 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.sim.launcher import Daemon, free_port
-from daemon.sim.vllm_servers import (
-    VllmServer,
-    kvpushd_connector_config,
-    start_servers,
-    stop_servers,
-)
+from daemon.sim.launcher import Daemon
+from daemon.sim.vllm_servers import VllmServer, kvpushd_pd
 from schemas.events import Registered, Trimmed
 
 TOKENS = 8
@@ -42,25 +37,8 @@ PD = tuple[VllmServer, VllmServer, Daemon, Daemon]
 
 @pytest.fixture(scope="module")
 def pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
-    workdir = tmp_path_factory.mktemp("pd")
-    prefill = Daemon("prefill", workdir, free_port()).start()
-    decode = Daemon("decode", workdir, free_port()).start()
-    cores = sorted(os.sched_getaffinity(0))
-    p = VllmServer(
-        "P", tiny_model, workdir, core=cores[0],
-        extra_args=["--kv-transfer-config", kvpushd_connector_config("kv_producer", prefill)],
-    )  # fmt: skip
-    d = VllmServer(
-        "D", tiny_model, workdir, core=cores[-1],
-        extra_args=["--kv-transfer-config", kvpushd_connector_config("kv_consumer", decode)],
-    )  # fmt: skip
-    try:
-        start_servers((p, d))
-        yield p, d, prefill, decode
-    finally:
-        stop_servers((p, d))
-        for daemon in (prefill, decode):
-            assert daemon.stop() == 0, daemon.logs()[-2000:]
+    with kvpushd_pd(tiny_model, tmp_path_factory.mktemp("pd")) as pair:
+        yield pair
     # The connector removes the KV cache files it shared with its daemon.
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("kvpushd-vllm-")]
 

@@ -386,6 +386,55 @@ def running(*servers: VllmServer, timeout_s: float = 240.0) -> Iterator[tuple[Vl
         stop_servers(servers)
 
 
+@contextlib.contextmanager
+def kvpushd_pd(
+    model: Path,
+    workdir: Path,
+    *,
+    prefill_env: dict[str, str] | None = None,
+    **decode_config: Any,
+) -> Iterator[tuple[VllmServer, VllmServer, Any, Any]]:
+    """A prefill/decode pair through kvpushd: two daemons (no ``[[peers]]``), two servers.
+
+    Yields (prefill server, decode server, prefill daemon, decode daemon).
+    The servers sit on the first and the last core this process may use;
+    ``decode_config`` adds top-level fields to the decode's connector config
+    (``kv_load_failure_policy``), ``prefill_env`` to the prefill daemon's
+    environment (``KVPUSHD_FAILPOINTS``). The decode daemon dials the
+    prefill's on demand. On exit the servers stop, then both daemons (one
+    killed by the caller stays killed); a daemon that does not stop with 0 is
+    an error.
+    """
+    from daemon.sim.launcher import Daemon
+
+    prefill = Daemon("prefill", workdir, free_port(), env=prefill_env or {}).start()
+    decode = Daemon("decode", workdir, free_port()).start()
+    cores = sorted(os.sched_getaffinity(0))
+    p = VllmServer(
+        "P", model, workdir, core=cores[0],
+        extra_args=["--kv-transfer-config", kvpushd_connector_config("kv_producer", prefill)],
+    )  # fmt: skip
+    d = VllmServer(
+        "D", model, workdir, core=cores[-1],
+        extra_args=[
+            "--kv-transfer-config",
+            kvpushd_connector_config("kv_consumer", decode, **decode_config),
+        ],
+    )  # fmt: skip
+    try:
+        with running(p, d):
+            yield p, d, prefill, decode
+    finally:
+        codes = {
+            daemon.node: daemon.stop()
+            for daemon in (prefill, decode)
+            if daemon.proc is not None and daemon.proc.poll() is None
+        }
+        bad = {node: code for node, code in codes.items() if code != 0}
+        if bad:
+            raise VllmServerError(f"daemons did not stop cleanly: {bad}")
+
+
 # ------------------------------------------------------------ metrics
 
 
