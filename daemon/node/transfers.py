@@ -105,8 +105,11 @@ class Transfers:
                     refusal.reason,
                     refusal.message,
                 )
-                await node.ledger.commit([refused])
-                await node.react(record, Stimulus.FAILURE, Why(refusal.reason, refusal.message))
+                # One commit, no await in between: another advance() of the same
+                # request must find it failed, not trim (and refuse) it again.
+                failed = react(record, Stimulus.FAILURE, Why(refusal.reason, refusal.message))
+                await node.ledger.commit([refused, *failed], Stimulus.FAILURE.cause)
+                await self.follow_up(request_id)
                 return
             committed = node.ledger.commit([trimmed])
             record = node.registry.get(request_id)
