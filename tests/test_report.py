@@ -27,7 +27,6 @@ from pathlib import Path
 
 import pytest
 
-from daemon.journal.replay import replay
 from daemon.postmortem import chart
 from daemon.postmortem import html as report
 from daemon.postmortem.analyse import analyse
@@ -36,6 +35,7 @@ from daemon.postmortem.load import load
 from daemon.postmortem.merge import merge
 from schemas.events import FORMAT_VERSION, DaemonStarted, Failed, Record
 from schemas.reasons import Reason
+from statemachine.registry import fold
 from tests.support.journals import read_records as _records
 from tests.support.journals import write_records as _write
 
@@ -198,14 +198,21 @@ def journals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     records = _records(base / "w" / "prefill-journal")
-    head = records[: len(records) // 2]
-    _write(base / "head", head)
-    live = replay(base / "head").registry
-    caught = sorted(
-        r.request_id
-        for r in live.live.values()
-        if r.state.value in ("registered", "trimmed", "writing")
-    )
+    # Plant the restart at the middle record nearest to the halfway mark that
+    # has requests in flight (how many are, there, depends on the run's timing).
+    middle = len(records) // 2
+    for cut in sorted(
+        range(len(records) // 4, 3 * len(records) // 4), key=lambda i: abs(i - middle)
+    ):
+        live = fold((r.event, r.ts) for r in records[:cut])
+        caught = sorted(
+            r.request_id
+            for r in live.live.values()
+            if r.state.value in ("registered", "trimmed", "writing")
+        )
+        if caught:
+            break
+    head = records[:cut]
     seq, ts = head[-1].seq, head[-1].ts
     tail = [Record(FORMAT_VERSION, "prefill", seq + 1, ts + 1, DaemonStarted(7, "0.1.0", "b2"))]
     tail += [
