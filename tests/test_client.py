@@ -309,7 +309,12 @@ async def test_connection_loss_fails_pending_calls_and_ends_events_with_fake_dae
             collected.append(event)
 
     consumer = asyncio.create_task(consume())
+    watcher = asyncio.create_task(client.wait_closed())
+    await asyncio.sleep(0)
+    assert not watcher.done()  # waits while the connection lives
     conn.drop()
+    lost = await asyncio.wait_for(watcher, 2)  # and says why it ended
+    assert isinstance(lost, ConnectionLost) and "closed the connection" in str(lost)
     for task in pending:
         with pytest.raises(ConnectionLost):
             await task

@@ -21,14 +21,17 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from daemon.sim.launcher import Daemon
 from daemon.sim.vllm_servers import VllmServer, VllmServerError, kvpushd_pd
+from schemas.reasons import Reason
 
 TOKENS = 8
+EXTERNAL = "vllm:prompt_tokens_by_source_total"
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +84,68 @@ def test_a_decode_aborted_while_the_write_is_in_flight_keeps_its_blocks_until_re
     metrics = d.metrics()
     assert metrics.total("vllm:num_requests_running") == 0
     assert metrics.total("vllm:num_requests_waiting") == 0
+
+
+def test_a_prefill_daemon_killed_mid_write_then_restarted_loses_no_token_and_no_block(
+    recompute_pd,
+) -> None:
+    p, d, prefill, decode = recompute_pd
+    rng = random.Random(11)
+    prompt = [rng.randrange(2, 512) for _ in range(140)]
+    single = p.complete(prompt, TOKENS).token_ids
+    sent = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True}).raw[
+        "kv_transfer_params"
+    ]
+    transfer = sent["kvpushd_transfer_id"]
+    with ThreadPoolExecutor(1) as pool:
+        decoding = pool.submit(d.complete, prompt, TOKENS, kv_transfer_params=sent)
+        # The pusher is writing (journaled, the receiver told) when it dies.
+        deadline = time.monotonic() + 30
+        while "WriteStarted" not in _names(decode.journal_events(transfer)):
+            assert time.monotonic() < deadline and not decoding.done()
+            time.sleep(0.02)
+        prefill.kill()
+        assert decoding.result().token_ids == single  # a load error, recomputed
+    # The decode daemon fenced the dead pusher (nothing of it can land any
+    # more) and failed the load; only then were the blocks let go.
+    events = decode.journal_events(transfer)
+    assert _names(events) == ["Registered", "WriteStarted", "Failed", "Released"]
+    assert events[2].reason is Reason.PEER_DEAD and events[2].settled
+    prefill.start()
+    # The prefill connector registers its engine again on its own; the
+    # transfer that died with the daemon is failed there and let go.
+    deadline = time.monotonic() + 30
+    while not prefill.status()["engines"] or prefill.status()["live"]:
+        assert time.monotonic() < deadline, prefill.status()
+        time.sleep(0.1)
+    names = _names(prefill.journal_events(transfer))
+    assert "Failed" in names and names[-1] == "Released", names
+    external_before = d.metrics().total(EXTERNAL, source="external_kv_transfer")
+    for length in (60, 140):
+        other = [rng.randrange(2, 512) for _ in range(length)]
+        expected = p.complete(other, TOKENS).token_ids
+        got_p = p.complete(other, 1, kv_transfer_params={"do_remote_decode": True})
+        got = d.complete(other, TOKENS, kv_transfer_params=got_p.raw["kv_transfer_params"])
+        assert got.token_ids == expected, length
+    # The KV came through the restarted daemon, not from a recompute.
+    _wait_for(lambda: d.metrics().total(EXTERNAL, source="external_kv_transfer")
+              >= external_before + 60 + 140 - 2)  # fmt: skip
+    _wait_for(lambda: not decode.status()["live"] and not prefill.status()["live"])
+    for server in (p, d):
+        metrics = server.metrics()
+        assert metrics.total("vllm:num_requests_running") == 0
+        assert metrics.total("vllm:num_requests_waiting") == 0
+
+
+def _names(events: list) -> list[str]:
+    return [type(e).__name__ for e in events]
+
+
+def _wait_for(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
 
 
 def test_a_killed_prefill_daemon_makes_a_load_error_and_vllm_recomputes(recompute_pd) -> None:

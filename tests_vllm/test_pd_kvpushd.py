@@ -123,6 +123,30 @@ def test_a_decode_prefix_hit_moves_only_the_tail_blocks(pd: PD) -> None:
     assert trimmed.dst == registered.blocks
 
 
+def test_a_full_decode_prefix_hit_moves_only_the_block_of_the_last_token(pd: PD) -> None:
+    """The decode instance holds every full block of the prompt already.
+
+    vLLM computes a prompt's last token itself, so the block that holds it
+    is all that is left to fill: one block moves (the prefill's last), the
+    daemon trims the three before it, and the tokens still equal.
+    """
+    p, d, prefill, decode = pd
+    rng = random.Random(12)
+    prompt = [rng.randrange(2, 512) for _ in range(97)]  # 3 full blocks and one token
+    single = p.complete(prompt, TOKENS).token_ids
+    d.complete(prompt, 1)  # caches the 3 full blocks on the decode instance
+    first = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    sent = first.raw["kv_transfer_params"]
+    assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
+    _wait_idle(prefill, decode)
+    transfer = sent["kvpushd_transfer_id"]
+    (registered,) = [e for e in decode.journal_events(transfer) if isinstance(e, Registered)]
+    (trimmed,) = [e for e in prefill.journal_events(transfer) if isinstance(e, Trimmed)]
+    assert [len(ids) for ids in registered.blocks] == [1]
+    assert (trimmed.src_before, trimmed.dst_before) == ((4,), (1,))
+    assert trimmed.dst == registered.blocks
+
+
 def test_thirty_two_concurrent_requests_with_shared_prefixes_are_token_exact(pd: PD) -> None:
     p, d, prefill, decode = pd
     rng = random.Random(6)

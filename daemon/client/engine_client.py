@@ -88,6 +88,7 @@ class EngineClient:
         self._events: asyncio.Queue[Any] = asyncio.Queue()
         self._write_lock = asyncio.Lock()
         self._lost: ConnectionLost | None = None
+        self._lost_event = asyncio.Event()
         self._orphan_error: RpcError | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self.node = ""
@@ -159,6 +160,12 @@ class EngineClient:
     @property
     def closed(self) -> bool:
         return self._lost is not None
+
+    async def wait_closed(self) -> ConnectionLost:
+        """Until the connection ends (the daemon went away, or :meth:`close`); why it ended."""
+        await self._lost_event.wait()
+        assert self._lost is not None
+        return _copy_lost(self._lost)
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -388,6 +395,7 @@ class EngineClient:
         if self._lost is not None:
             return
         self._lost = exc
+        self._lost_event.set()
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(_copy_lost(exc))

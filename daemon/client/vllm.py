@@ -32,8 +32,13 @@ thread, and events come back through a queue drained once per step.
   load errors, so vLLM's ``kv_load_failure_policy`` applies.
 - Memory: ``get_mem_pool_context`` makes vLLM's one KV buffer a /dev/shm file
   the daemon maps; ``register_kv_caches`` derives the layout (blocks, layers,
-  block bytes) from vLLM's tensors and registers the engine. The file's name
-  is removed once the daemon has mapped it; the memory stays shared.
+  block bytes) from vLLM's tensors and registers the engine. The file keeps
+  its name while vLLM runs (a restarted daemon maps it again) and goes at
+  shutdown; one left by a vLLM killed with SIGKILL is removed by the next
+  connector that starts on the machine.
+- Daemon restarts: the worker notices the connection end at once, ends what
+  that connection held (sends: blocks back to vLLM; loads: load errors) and
+  reconnects with backoff, registering the engine again.
 
 This is the only module of kvpushd that imports vLLM.
 """
@@ -42,7 +47,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
 import queue
@@ -77,6 +81,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
+SHM_PREFIX = "kvpushd-vllm-"
+# Reconnecting to a daemon that went away: first try soon, then back off.
+RECONNECT_FIRST_S = 0.2
+RECONNECT_MAX_S = 2.0
 # The daemon's reply to a registration waits for its fsync: bounded, not short.
 CALL_TIMEOUT_S = 30.0
 # Finished request ids remembered until their send ends (pruned past this many).
@@ -117,6 +125,13 @@ class GaveUp:
     request_id: str
     reason: str
     message: str
+
+
+@dataclass(frozen=True)
+class DaemonLost:
+    """The connection of ``generation`` ended: what it held will never be reported on."""
+
+    generation: int
 
 
 @dataclass
@@ -336,23 +351,33 @@ class _WorkerSide:
     def __init__(self, socket_path: str, engine_id: str) -> None:
         self._socket = socket_path
         self._engine_id = engine_id
-        self._path = Path(SHM_DIR) / f"kvpushd-vllm-{engine_id}"
+        _sweep_stale_files()
+        # The pid in the name lets a later vLLM remove the file if this one dies.
+        self._path = Path(SHM_DIR) / f"{SHM_PREFIX}{os.getpid()}-{engine_id}"
         self._allocation: _SharedAllocation | None = None
+        self._layout: tuple[tuple[GroupSpec, ...], RegionSpec] | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="kvpushd-connector", daemon=True
         )
         self._thread.start()
+        self._closing = False
+        # The connection to the daemon and its generation: a transfer belongs
+        # to the connection it was posted under and ends when that one ends.
         self._client: EngineClient | None = None
-        self._events: queue.SimpleQueue[rpc.Event | GaveUp | Freed] = queue.SimpleQueue()
-        # transfer id -> vLLM request id, and the receivers' blocks.
-        self._sending: dict[str, str] = {}
-        self._receiving: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self._generation = 0
+        self._events: queue.SimpleQueue[rpc.Event | GaveUp | Freed | DaemonLost] = (
+            queue.SimpleQueue()
+        )
+        # transfer id -> (vLLM request id, generation), and the receivers' blocks.
+        self._sending: dict[str, tuple[str, int]] = {}
+        self._receiving: dict[str, tuple[str, tuple[int, ...], int]] = {}
         self._done_sending: set[str] = set()
         self._done_receiving: set[str] = set()
         self._finished_seen: set[str] = set()
         self._load_errors: set[int] = set()
-        self._ids = itertools.count(1)
+        # Transfers registered on the current connection (the loop thread's).
+        self._posted: set[str] = set()
 
     # memory -------------------------------------------------------------
 
@@ -367,38 +392,97 @@ class _WorkerSide:
                 "KvpushdConnector: vLLM did not allocate its KV cache through "
                 "get_mem_pool_context(); the daemon cannot map it"
             )
-        groups, region = _layout(kv_caches, allocation.buffer, self._path)
-        try:
-            self._run(self._connect_and_register(groups, region))
-        finally:
-            # Both sides hold the memory mapped (the daemon by descriptor), so
-            # the name can go now: no file outlives vLLM, even after kill -9.
-            self._path.unlink(missing_ok=True)
+        self._layout = _layout(kv_caches, allocation.buffer, self._path)
+        # The file keeps its name while vLLM runs: a restarted daemon maps it
+        # again when the connector registers anew.
+        self._run(self._connect())
+        self._spawn(self._supervise())
 
-    async def _connect_and_register(
-        self, groups: tuple[GroupSpec, ...], region: RegionSpec
-    ) -> None:
-        self._client = await EngineClient.connect(
-            self._socket, client_name=f"vllm:{self._engine_id}", on_event=self._events.put
+    async def _connect(self) -> None:
+        assert self._layout is not None
+        groups, region = self._layout
+        # The connection an event came on (resent outcomes come before the
+        # registration's reply, while this connection is not yet the current one).
+        came_on: list[EngineClient] = []
+        client = await EngineClient.connect(
+            self._socket,
+            client_name=f"vllm:{self._engine_id}",
+            on_event=lambda event: self._on_daemon_event(event, came_on[0]),
+            queue_events=False,  # the callback is the only consumer
         )
-        await self._client.register_engine(self._engine_id, groups, (region,))
+        came_on.append(client)
+        try:
+            await client.register_engine(self._engine_id, groups, (region,))
+        except BaseException:
+            await client.close()
+            raise
+        self._generation += 1
+        self._client = client
         log.info("kvpushd: engine %s registered with %s", self._engine_id, self._socket)
+
+    async def _supervise(self) -> None:
+        """Notice the daemon going away at once (not at the next step) and reconnect.
+
+        What the lost connection held ends first (``DaemonLost``, in order
+        before any event of the next connection); a restarted daemon then
+        gets the engine registered again and serves new transfers.
+        """
+        while not self._closing:
+            client = self._client
+            assert client is not None
+            why = await client.wait_closed()
+            if self._closing:
+                return
+            log.warning("kvpushd: lost the daemon at %s: %s", self._socket, why)
+            self._client = None
+            # What a restarted daemon resends about them is not ours to wait for.
+            self._posted = set()
+            self._events.put(DaemonLost(self._generation))
+            delay = RECONNECT_FIRST_S
+            while not self._closing:
+                try:
+                    await self._connect()
+                    break
+                except (ClientError, OSError) as exc:
+                    log.debug("kvpushd: reconnect to %s failed: %s", self._socket, exc)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, RECONNECT_MAX_S)
+
+    def _on_daemon_event(self, event: rpc.Event, client: EngineClient) -> None:
+        """An event from the daemon (on the connector's loop thread)."""
+        transfer_id = event.request_id
+        if transfer_id not in self._posted:
+            if isinstance(event, rpc.KvArrived | rpc.BlocksFreeable | rpc.RequestFailed):
+                # An outcome a restarted daemon resends for a transfer that
+                # ended here with the old connection: let the daemon drop it
+                # now (vLLM may be idle, with no step to carry it out).
+                self._spawn(self._release(transfer_id, client))
+            return
+        if isinstance(event, rpc.Released):
+            self._posted.discard(transfer_id)
+        self._events.put(event)
 
     # per step -----------------------------------------------------------
 
     def post(self, metadata: KvpushdConnectorMetadata) -> None:
+        generation = self._generation
         for push in metadata.push:
-            self._sending[push.transfer_id] = push.request_id
-            self._spawn(self._push(push))
+            self._sending[push.transfer_id] = (push.request_id, generation)
+            self._spawn(self._push(push, generation))
         for receive in metadata.receive:
-            self._receiving[receive.transfer_id] = (receive.request_id, receive.block_ids)
-            self._spawn(self._receive(receive))
+            self._receiving[receive.transfer_id] = (
+                receive.request_id,
+                receive.block_ids,
+                generation,
+            )
+            self._spawn(self._receive(receive, generation))
         if metadata.abort:
             self.abort(metadata.abort)
 
-    async def _push(self, push: PushSpec) -> None:
+    async def _push(self, push: PushSpec, generation: int) -> None:
         try:
-            client = self._need_client()
+            client = self._need_client(generation)
+            self._posted.add(push.transfer_id)
             await client.register_request(
                 self._engine_id, push.transfer_id, Role.PUSHER, [list(push.block_ids)]
             )
@@ -408,9 +492,10 @@ class _WorkerSide:
             # have them back; the decode side fails its load on its own.
             self._gave_up(push.transfer_id, exc)
 
-    async def _receive(self, receive: ReceiveSpec) -> None:
+    async def _receive(self, receive: ReceiveSpec, generation: int) -> None:
         try:
-            client = self._need_client()
+            client = self._need_client(generation)
+            self._posted.add(receive.transfer_id)
             await client.register_request(
                 self._engine_id,
                 receive.transfer_id,
@@ -427,6 +512,7 @@ class _WorkerSide:
 
     def _gave_up(self, transfer_id: str, exc: BaseException) -> None:
         reason = exc.code if isinstance(exc, RpcError) else "daemon_unavailable"
+        self._posted.discard(transfer_id)
         log.warning("kvpushd: %s not registered: %s", transfer_id, exc)
         self._events.put(GaveUp(transfer_id, reason, str(exc)))
 
@@ -434,10 +520,8 @@ class _WorkerSide:
         self._finished_seen.update(finished_req_ids)
         if len(self._finished_seen) > _MAX_SEEN:
             # Only sends wait for vLLM to name them finished: forget the others.
-            self._finished_seen &= set(self._sending.values()) | self._done_sending
-        client = self._client
-        if client is not None and client.closed:
-            self._daemon_lost()
+            pending = {request_id for request_id, _ in self._sending.values()}
+            self._finished_seen &= pending | self._done_sending
         while True:
             try:
                 event = self._events.get_nowait()
@@ -450,13 +534,16 @@ class _WorkerSide:
         receiving, self._done_receiving = self._done_receiving, set()
         return sending or None, receiving or None
 
-    def _on_event(self, event: rpc.Event | GaveUp | Freed) -> None:
+    def _on_event(self, event: rpc.Event | GaveUp | Freed | DaemonLost) -> None:
+        if isinstance(event, DaemonLost):
+            self._daemon_lost(event.generation)
+            return
         transfer_id = event.request_id
         if transfer_id in self._sending:
             # A pusher's blocks are only read while it writes: once the write
             # is over (or never happens), vLLM may have them back.
             if isinstance(event, rpc.BlocksFreeable | rpc.RequestFailed | GaveUp):
-                self._done_sending.add(self._sending.pop(transfer_id))
+                self._done_sending.add(self._sending.pop(transfer_id)[0])
                 if not isinstance(event, GaveUp):
                     self._spawn(self._release(transfer_id))
             return
@@ -464,7 +551,7 @@ class _WorkerSide:
             return
         if isinstance(event, rpc.KvArrived):
             # Done is settled: the write is over, the blocks hold the KV.
-            request_id, _ = self._receiving.pop(transfer_id)
+            request_id, _, _ = self._receiving.pop(transfer_id)
             self._done_receiving.add(request_id)
             self._spawn(self._release(transfer_id))
         elif isinstance(event, rpc.RequestFailed):
@@ -476,7 +563,7 @@ class _WorkerSide:
         elif isinstance(event, rpc.Released):
             self._events.put(Freed(transfer_id))  # a deferred release was carried out
         elif isinstance(event, GaveUp | Freed):
-            request_id, block_ids = self._receiving.pop(transfer_id)
+            request_id, block_ids, _ = self._receiving.pop(transfer_id)
             # Never silently wrong KV: vLLM fails or recomputes these blocks.
             self._load_errors.update(block_ids)
             self._done_receiving.add(request_id)
@@ -490,13 +577,14 @@ class _WorkerSide:
             self._events.put(Freed(transfer_id))
             return
         if isinstance(reply, rpc.Ok):
+            self._posted.discard(transfer_id)
             self._events.put(Freed(transfer_id))
         # Deferred: the daemon sends Released when the quarantine lifts.
 
     def abort(self, request_ids: list[str]) -> None:
         """vLLM finished these decode requests while their KV was still loading."""
         for request_id in request_ids:
-            for transfer_id, (owner, _) in self._receiving.items():
+            for transfer_id, (owner, _, _) in self._receiving.items():
                 if owner == request_id:
                     self._spawn(self._abort(transfer_id))
                     break
@@ -504,23 +592,28 @@ class _WorkerSide:
     async def _abort(self, transfer_id: str) -> None:
         # The daemon cancels the push (or keeps the blocks until the pusher's
         # final word); the blocks come back through the release.
-        with contextlib.suppress(ClientError):
+        with contextlib.suppress(ClientError, RuntimeError):
             await self._need_client().abort(transfer_id)
         await self._release_then_free(transfer_id)
 
-    def _daemon_lost(self) -> None:
-        """The daemon is gone (it died, or stopped): end every transfer it held.
+    def _daemon_lost(self, generation: int) -> None:
+        """The daemon went away: end every transfer the lost connection held.
 
         A prefill's blocks are no longer read by anyone (the daemon's NIXL
         agent died with it). A decode's blocks: its peer fences a dead daemon
         and fails the write; the loads end as load errors, never as arrived.
+        Transfers posted under a newer connection are not touched.
         """
-        for transfer_id in [*self._sending, *self._receiving]:
-            self._events.put(GaveUp(transfer_id, "daemon_unavailable", "connection lost"))
+        lost = [t for t, (_, g) in self._sending.items() if g <= generation]
+        lost += [t for t, (_, _, g) in self._receiving.items() if g <= generation]
+        for transfer_id in lost:
+            self._on_event(GaveUp(transfer_id, "daemon_unavailable", "connection lost"))
 
-    async def _release(self, transfer_id: str) -> None:
-        with contextlib.suppress(ClientError):  # the daemon's deadline releases it anyway
-            await self._need_client().release(transfer_id)
+    async def _release(self, transfer_id: str, client: EngineClient | None = None) -> None:
+        # The daemon's deadline releases it anyway.
+        with contextlib.suppress(ClientError, RuntimeError):
+            await (client or self._need_client()).release(transfer_id)
+        self._posted.discard(transfer_id)
 
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -528,10 +621,14 @@ class _WorkerSide:
 
     # plumbing -----------------------------------------------------------
 
-    def _need_client(self) -> EngineClient:
-        if self._client is None:
-            raise RuntimeError("KvpushdConnector: the engine is not registered with kvpushd")
-        return self._client
+    def _need_client(self, generation: int | None = None) -> EngineClient:
+        """The live connection (the one ``generation`` was posted under, if given)."""
+        client = self._client
+        if client is None or client.closed:
+            raise RuntimeError("KvpushdConnector: not connected to kvpushd")
+        if generation is not None and generation != self._generation:
+            raise RuntimeError("KvpushdConnector: the daemon connection was replaced")
+        return client
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -541,6 +638,7 @@ class _WorkerSide:
         asyncio.run_coroutine_threadsafe(coro, self._loop).result(CALL_TIMEOUT_S)
 
     def close(self) -> None:
+        self._closing = True
         if self._client is not None:
             with contextlib.suppress(Exception):
                 self._run(self._client.close())
@@ -548,6 +646,27 @@ class _WorkerSide:
         self._thread.join(timeout=5)
         with contextlib.suppress(FileNotFoundError):
             self._path.unlink()
+
+
+def _sweep_stale_files() -> None:
+    """Remove KV cache files left by a vLLM that died without shutting down."""
+    for path in Path(SHM_DIR).glob(f"{SHM_PREFIX}*"):
+        pid = path.name[len(SHM_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        with contextlib.suppress(OSError):  # another user's, or already gone
+            if path.stat().st_uid == os.getuid():
+                path.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _log_failure(future: Any) -> None:
