@@ -10,7 +10,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_BIN   := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-vllm lint bench clean venv venv-vllm
+.PHONY: demo demo-vllm test test-vllm lint bench bench-vllm clean venv venv-vllm
 
 venv: $(STAMP)
 
@@ -40,6 +40,11 @@ $(VLLM_STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/kvpushd demo $(ARGS)
 
+# The same job with a real vLLM prefill and decode pair (daemon/sim/vllm_demo.py):
+# builds .venv-vllm on first use (~2 min, 3.9 GB), then ~1-2 min.
+demo-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m daemon.sim.vllm_demo $(ARGS)
+
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
@@ -58,6 +63,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.journal_bench
+
+# KvpushdConnector beside vLLM's NixlPushConnector on real vLLM (~15 min).
+bench-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m bench.vllm_pd_bench $(ARGS)
 	$(BIN)/python -m bench.core_bench
 	$(BIN)/python -m bench.nixl_bare
 	$(BIN)/python -m bench.daemon_bench

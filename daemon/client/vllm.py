@@ -386,6 +386,12 @@ class _WorkerSide:
         return self._allocation
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        on_gpu = sorted({t.device.type for t in kv_caches.values()} - {"cpu"})
+        if on_gpu:
+            raise RuntimeError(
+                f"KvpushdConnector: the KV cache is on {', '.join(on_gpu)}; this connector "
+                "shares host-memory KV caches only (GPU caches through CUDA IPC are not built yet)"
+            )
         allocation = self._allocation
         if allocation is None or allocation.buffer is None:
             raise RuntimeError(

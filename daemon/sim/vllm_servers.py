@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import http.client
 import importlib.util
 import json
 import os
@@ -53,6 +54,9 @@ from daemon.sim.launcher import REPO, free_port
 
 # The name every server serves its model under (requests name it).
 SERVED_NAME: Final = "tiny"
+# Prompt tokens by where they came from (label ``source``: local_compute,
+# local_cache_hit, external_kv_transfer): how a test tells a load from a recompute.
+EXTERNAL_TOKENS: Final = "vllm:prompt_tokens_by_source_total"
 DEFAULT_KV_CACHE_BYTES: Final = 128 << 20
 
 
@@ -76,6 +80,15 @@ class Completion:
     finish_reason: str | None
     elapsed_s: float
     raw: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """One streamed ``/v1/completions`` answer: its tokens and when the first came."""
+
+    token_ids: list[int]
+    first_token_s: float
+    elapsed_s: float
 
 
 @dataclass
@@ -280,18 +293,7 @@ class VllmServer:
         ``fields`` add to or override the request body (e.g.
         ``kv_transfer_params``); ``request_id`` is sent as ``X-Request-Id``.
         """
-        body: dict[str, Any] = {
-            "model": SERVED_NAME,
-            "prompt": [int(t) for t in prompt],
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-            **fields,
-        }
-        headers = {"Content-Type": "application/json"}
-        if request_id is not None:
-            headers["X-Request-Id"] = request_id
+        body, headers = _completion(prompt, max_tokens, request_id, fields)
         started = time.monotonic()
         raw = self._post("/v1/completions", body, headers, timeout_s)
         elapsed = time.monotonic() - started
@@ -303,6 +305,53 @@ class VllmServer:
             elapsed_s=elapsed,
             raw=raw,
         )
+
+    def stream(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        *,
+        request_id: str | None = None,
+        timeout_s: float = 120.0,
+        **fields: Any,
+    ) -> Streamed:
+        """:meth:`complete`, streamed: also when the first token came (a TTFT)."""
+        body, headers = _completion(prompt, max_tokens, request_id, {**fields, "stream": True})
+        started = time.monotonic()
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout_s)
+        try:
+            conn.request("POST", "/v1/completions", json.dumps(body), headers)
+            resp = conn.getresponse()
+            if resp.status != 200:
+                detail = resp.read().decode(errors="replace")
+                raise VllmServerError(f"{self.name} stream: HTTP {resp.status}: {detail}")
+            tokens: list[int] = []
+            first: float | None = None
+            for line in resp:
+                data = line.strip().removeprefix(b"data:").strip()
+                if not data or data == line.strip() or data == b"[DONE]":
+                    continue
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise VllmServerError(f"{self.name} stream: {chunk['error']}")
+                ids = chunk["choices"][0].get("token_ids") or []
+                if ids and first is None:
+                    first = time.monotonic() - started
+                tokens.extend(ids)
+        finally:
+            conn.close()
+        if first is None:
+            raise VllmServerError(f"{self.name} stream: no token came")
+        return Streamed(tokens, first, time.monotonic() - started)
+
+    def pause(self) -> None:
+        """SIGSTOP the whole server (a bench measures another one meanwhile)."""
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGCONT)
 
     def metrics(self, timeout_s: float = 10.0) -> Metrics:
         with urllib.request.urlopen(self.url + "/metrics", timeout=timeout_s) as resp:
@@ -321,6 +370,42 @@ class VllmServer:
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")
             raise VllmServerError(f"{self.name} {path}: HTTP {e.code}: {detail}") from e
+
+
+def _completion(
+    prompt: Sequence[int], max_tokens: int, request_id: str | None, fields: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The body and headers of a greedy token-id completion."""
+    body: dict[str, Any] = {
+        "model": SERVED_NAME,
+        "prompt": [int(t) for t in prompt],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **fields,
+    }
+    headers = {"Content-Type": "application/json"}
+    if request_id is not None:
+        headers["X-Request-Id"] = request_id
+    return body, headers
+
+
+def nixl_push_connector_config(**more: Any) -> str:
+    """``--kv-transfer-config`` for vLLM's own NixlPushConnector over host memory.
+
+    Each server also needs its own ``VLLM_NIXL_SIDE_CHANNEL_PORT`` (see
+    :func:`nixl_push_pd`), and a router sends the same ``X-Request-Id`` to
+    both servers (push mode pairs the two sides by it).
+    """
+    return json.dumps(
+        {
+            "kv_connector": "NixlPushConnector",
+            "kv_role": "kv_both",
+            "kv_buffer_device": "cpu",
+            **more,
+        }
+    )
 
 
 def kvpushd_connector_config(role: str, daemon: Any, **more: Any) -> str:
@@ -392,6 +477,7 @@ def kvpushd_pd(
     workdir: Path,
     *,
     prefill_env: dict[str, str] | None = None,
+    eager: bool = True,
     **decode_config: Any,
 ) -> Iterator[tuple[VllmServer, VllmServer, Any, Any]]:
     """A prefill/decode pair through kvpushd: two daemons (no ``[[peers]]``), two servers.
@@ -407,15 +493,16 @@ def kvpushd_pd(
     """
     from daemon.sim.launcher import Daemon
 
+    workdir.mkdir(parents=True, exist_ok=True)
     prefill = Daemon("prefill", workdir, free_port(), env=prefill_env or {}).start()
     decode = Daemon("decode", workdir, free_port()).start()
     cores = sorted(os.sched_getaffinity(0))
     p = VllmServer(
-        "P", model, workdir, core=cores[0],
+        "P", model, workdir, core=cores[0], eager=eager,
         extra_args=["--kv-transfer-config", kvpushd_connector_config("kv_producer", prefill)],
     )  # fmt: skip
     d = VllmServer(
-        "D", model, workdir, core=cores[-1],
+        "D", model, workdir, core=cores[-1], eager=eager,
         extra_args=[
             "--kv-transfer-config",
             kvpushd_connector_config("kv_consumer", decode, **decode_config),
@@ -433,6 +520,27 @@ def kvpushd_pd(
         bad = {node: code for node, code in codes.items() if code != 0}
         if bad:
             raise VllmServerError(f"daemons did not stop cleanly: {bad}")
+
+
+@contextlib.contextmanager
+def nixl_push_pd(
+    model: Path, workdir: Path, *, eager: bool = True
+) -> Iterator[tuple[VllmServer, VllmServer]]:
+    """vLLM's own P/D anchor: NixlPushConnector on both servers, one core each.
+
+    Yields (prefill server, decode server); no daemon is involved.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    servers = [
+        VllmServer(
+            name, model, workdir, core=core, eager=eager,
+            extra_args=["--kv-transfer-config", nixl_push_connector_config()],
+            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+        )
+        for name, core in (("nixl-P", cores[0]), ("nixl-D", cores[-1]))
+    ]  # fmt: skip
+    with running(*servers):
+        yield servers[0], servers[1]
 
 
 # ------------------------------------------------------------ metrics
