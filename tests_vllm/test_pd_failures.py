@@ -137,6 +137,46 @@ def test_a_prefill_daemon_killed_mid_write_then_restarted_loses_no_token_and_no_
         assert metrics.total("vllm:num_requests_waiting") == 0
 
 
+def test_a_decode_request_dropped_before_it_got_blocks_ends_the_push_at_once(
+    recompute_pd,
+) -> None:
+    """vLLM finished it while it waited for a slot: nothing loads, the prefill's blocks go back.
+
+    Sixteen long requests fill the decode server's sixteen slots, so the
+    P/D request waits (no blocks, no receiver); its client gives up. The
+    connector registers a receiver with no block, the prefill daemon writes
+    nothing and both sides end well before the 30 s registration deadline.
+    """
+    p, d, prefill, decode = recompute_pd
+    rng = random.Random(14)
+    prompt = [rng.randrange(2, 512) for _ in range(100)]
+    sent = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True}).raw[
+        "kv_transfer_params"
+    ]
+    transfer = sent["kvpushd_transfer_id"]
+    fillers = [[rng.randrange(2, 512) for _ in range(8)] for _ in range(16)]
+    with ThreadPoolExecutor(16) as pool:
+        busy = [pool.submit(d.complete, f, 600) for f in fillers]
+        _wait_for(lambda: d.metrics().total("vllm:num_requests_running") == 16)
+        with pytest.raises(OSError):  # still waiting for a slot when its client gives up
+            d.complete(prompt, TOKENS, kv_transfer_params=sent, timeout_s=0.5)
+        assert d.metrics().total("vllm:num_requests_running") == 16
+        given_up = time.monotonic()
+        _wait_for(lambda: not prefill.status()["live"] and not decode.status()["live"])
+        ended_after = time.monotonic() - given_up
+        for done in busy:
+            done.result()
+    assert ended_after < 15, ended_after  # not the 30 s deadline
+    received = decode.journal_events(transfer)
+    assert _names(received) == ["Registered", "WriteStarted", "WriteDone", "Released"]
+    assert received[0].blocks == ((),)  # no block of the decode instance was involved
+    pushed = prefill.journal_events(transfer)
+    assert "Failed" not in _names(pushed) and _names(pushed)[-1] == "Released"
+    metrics = d.metrics()
+    assert metrics.total("vllm:num_requests_running") == 0
+    assert metrics.total("vllm:num_requests_waiting") == 0
+
+
 def _names(events: list) -> list[str]:
     return [type(e).__name__ for e in events]
 

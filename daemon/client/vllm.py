@@ -140,6 +140,8 @@ class KvpushdConnectorMetadata(KVConnectorMetadata):
     receive: list[ReceiveSpec] = field(default_factory=list)
     # Decode requests vLLM finished (aborted) while their KV was loading.
     abort: list[str] = field(default_factory=list)
+    # Decode requests vLLM finished before giving them blocks: nothing loads.
+    forgo: list[ReceiveSpec] = field(default_factory=list)
 
 
 class KvpushdConnector(KVConnectorBase_V1):
@@ -249,6 +251,8 @@ class _SchedulerSide:
         self._pending = KvpushdConnectorMetadata()
         self._pushing: set[str] = set()
         self._loading: set[str] = set()
+        # Transfer ids a receiver was registered for, oldest first (bounded).
+        self._received: dict[str, None] = {}
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
@@ -266,16 +270,9 @@ class _SchedulerSide:
         # Only once: the second call (after the load) must not register again.
         params["do_remote_prefill"] = False
         (block_ids,) = blocks.get_unhashed_block_ids_all_groups()
+        self._first_time(str(params["kvpushd_transfer_id"]))
         self._loading.add(request.request_id)
-        self._pending.receive.append(
-            ReceiveSpec(
-                request.request_id,
-                str(params["kvpushd_transfer_id"]),
-                tuple(block_ids),
-                str(params["kvpushd_node"]),
-                str(params.get("kvpushd_address", "")),
-            )
-        )
+        self._pending.receive.append(_receive_spec(request.request_id, params, block_ids))
 
     def finished(
         self, request: Request, block_ids: list[int]
@@ -288,6 +285,16 @@ class _SchedulerSide:
             self._pending.abort.append(request.request_id)
             return False, None
         params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill") and params.get("kvpushd_transfer_id"):
+            # Finished before vLLM gave it blocks (aborted while waiting, or
+            # the pre-aborted copy vLLM's API server submits when a client
+            # goes away): a receiver with no block lets the prefill's daemon
+            # end its push now (nothing is written) instead of at its deadline.
+            # Once per transfer: the copy also comes for a request that loaded.
+            params["do_remote_prefill"] = False
+            if self._first_time(str(params["kvpushd_transfer_id"])):
+                self._pending.forgo.append(_receive_spec(request.request_id, params, ()))
+            return False, None
         if not params.get("do_remote_decode") or not block_ids:
             return False, None
         transfer_id = request.request_id
@@ -301,6 +308,15 @@ class _SchedulerSide:
             "kvpushd_address": self._address,
         }
 
+    def _first_time(self, transfer_id: str) -> bool:
+        """Note a receiving transfer; False if it was noted before."""
+        if transfer_id in self._received:
+            return False
+        self._received[transfer_id] = None
+        if len(self._received) > _MAX_SEEN:
+            del self._received[next(iter(self._received))]
+        return True
+
     def take_metadata(self) -> KvpushdConnectorMetadata:
         metadata, self._pending = self._pending, KvpushdConnectorMetadata()
         return metadata
@@ -311,6 +327,16 @@ class _SchedulerSide:
 
     def pushing(self) -> bool:
         return bool(self._pushing)
+
+
+def _receive_spec(request_id: str, params: dict[str, Any], block_ids: Any) -> ReceiveSpec:
+    return ReceiveSpec(
+        request_id,
+        str(params["kvpushd_transfer_id"]),
+        tuple(block_ids),
+        str(params["kvpushd_node"]),
+        str(params.get("kvpushd_address", "")),
+    )
 
 
 # ------------------------------------------------------------------- worker
@@ -459,9 +485,10 @@ class _WorkerSide:
         transfer_id = event.request_id
         if transfer_id not in self._posted:
             if isinstance(event, rpc.KvArrived | rpc.BlocksFreeable | rpc.RequestFailed):
-                # An outcome a restarted daemon resends for a transfer that
-                # ended here with the old connection: let the daemon drop it
-                # now (vLLM may be idle, with no step to carry it out).
+                # The outcome of a transfer vLLM no longer waits for (one a
+                # restarted daemon resends after the old connection ended, or
+                # a forgone receiver's): let the daemon drop it now (vLLM may
+                # be idle, with no step to carry it out).
                 self._spawn(self._release(transfer_id, client))
             return
         if isinstance(event, rpc.Released):
@@ -484,6 +511,8 @@ class _WorkerSide:
             self._spawn(self._receive(receive, generation))
         if metadata.abort:
             self.abort(metadata.abort)
+        for forgone in metadata.forgo:
+            self._spawn(self._forgo(forgone, generation))
 
     async def _push(self, push: PushSpec, generation: int) -> None:
         try:
@@ -515,6 +544,24 @@ class _WorkerSide:
             # Never registered: no write can target these blocks. The load
             # ends as a load error, so vLLM recomputes or fails the request.
             self._gave_up(receive.transfer_id, exc)
+
+    async def _forgo(self, receive: ReceiveSpec, generation: int) -> None:
+        """Register a receiver with no block for a request vLLM dropped before its load.
+
+        Not one of ours to report: vLLM has forgotten the request. Its
+        outcome (``kv_arrived`` with nothing written, or a failure) comes as
+        an event for a transfer this connection did not post, which is
+        released at once (``_on_daemon_event``).
+        """
+        with contextlib.suppress(ClientError, RuntimeError):  # the deadline ends it instead
+            await self._need_client(generation).register_request(
+                self._engine_id,
+                receive.transfer_id,
+                Role.RECEIVER,
+                [list(receive.block_ids)],
+                peer=receive.peer,
+                peer_address=receive.peer_address,
+            )
 
     def _gave_up(self, transfer_id: str, exc: BaseException) -> None:
         reason = exc.code if isinstance(exc, RpcError) else "daemon_unavailable"
