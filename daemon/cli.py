@@ -18,12 +18,30 @@ import msgspec
 from daemon.ops import journal as ops_journal
 from daemon.postmortem import commands as postmortem_commands
 
-EXIT_CONFIG = 2  # `run`: the configuration is unusable
+EXIT_CONFIG = 2  # `run`: the configuration is unusable (daemon.startup.EXIT_STARTUP)
+
+
+RUN_DEFAULTS = """\
+without --config (or with keys left out), the defaults start on a laptop:
+  node      kvpushd
+  socket    $RUNTIME_DIRECTORY/NODE.sock, else /tmp/kvpushd-UID/NODE.sock
+  journal   $STATE_DIRECTORY/NODE, else ~/.local/state/kvpushd/NODE
+  peers     none; no peer listener until secret_file is set (then listen
+            defaults to 127.0.0.1:7700), and one log line says so
+  engines   the daemon's uid, root, and members of the daemon's own group
+  metrics   off (metrics_port = 0)
+every key: systemd/kvpushd.toml and README.md ("Configuration").
+
+A daemon that cannot start (an unusable config or secret file, a port in
+use, a journal or engine socket another daemon holds) prints one line,
+"kvpushd: cannot start: ...", and exits 2; systemd does not restart it.
+"""
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from daemon.config import ConfigError, load_config
     from daemon.logs import configure
+    from daemon.startup import EXIT_STARTUP, StartupError
 
     overrides = {
         "node": args.node,
@@ -34,7 +52,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, overrides)
     except ConfigError as exc:
-        print(f"kvpushd: invalid configuration: {exc}", file=sys.stderr)
+        where = f" in {args.config}" if args.config else ""
+        print(f"kvpushd: cannot start: invalid configuration{where}: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     if args.journal_dir:
         config = msgspec.structs.replace(
@@ -43,7 +62,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     configure(config.log_level)
     from daemon.service import run
 
-    return run(config)
+    try:
+        return run(config)
+    except StartupError as exc:
+        print(f"kvpushd: cannot start: {exc}", file=sys.stderr)
+        return EXIT_STARTUP
 
 
 # --- `kvpushd status` (daemon/ops/status.py) --------------------------------
@@ -93,7 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    run = sub.add_parser("run", help="run the daemon")
+    run = sub.add_parser(
+        "run",
+        help="run the daemon",
+        epilog=RUN_DEFAULTS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     run.add_argument("--config", type=Path, help="TOML config file (defaults work without one)")
     run.add_argument("--node", help="override the node name")
     run.add_argument("--socket", help="override the engine socket path")
