@@ -9,6 +9,7 @@ The commands live with what they work on: ``run`` in :mod:`daemon.service`,
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -175,11 +176,33 @@ def _attach_dash_values(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def _stdout_gone(code: int | None) -> int:
+    """The reader of stdout went away (``| head``): end quietly, as other CLI tools do.
+
+    stdout is pointed at /dev/null so that the interpreter's last flush at
+    exit does not fail again and print a traceback.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 0 if code is None else code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(_attach_dash_values(argv))
-    command: Callable[[argparse.Namespace], int] = args.func  # set_defaults(func=...)
-    return command(args)
+    code: int | None = None
+    try:
+        try:
+            args = build_parser().parse_args(_attach_dash_values(argv))
+            command: Callable[[argparse.Namespace], int] = args.func  # set_defaults(func=...)
+            code = command(args)
+        finally:
+            # Inside the try, also on argparse's SystemExit (--help prints to stdout).
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # A command that finished keeps its verdict (verify's exit code is its answer).
+        return _stdout_gone(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -5,10 +5,13 @@
   exit 2, never "OK: 0 records"; ``journal replay|timeline|report`` on a
   file that is not a journal, or one without an intact record, exit 2 with
   one line and no numpy warnings.
+* Every command ends quietly when its stdout is a pipe nobody reads any
+  more (``kvpushd status | head``): no BrokenPipeError traceback.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +20,7 @@ import pytest
 
 from daemon.journal.writer import FsyncPolicy, Journal
 from daemon.node.ledger import Ledger
+from daemon.sim.launcher import Daemon
 from daemon.sim.lifecycle import FakeClock, run_mix
 from statemachine import Registry
 from tests.support import REPO
@@ -80,3 +84,47 @@ def test_a_file_that_is_not_a_journal_is_one_line_exit_2(tmp_path: Path, command
     said = one_line_exit_2(kvpushd("journal", *args, str(hollow)))
     assert "no intact record" in said
     assert not report.exists()
+
+
+# ------------------------------------------------------------------ | head
+
+
+def _into_a_closed_pipe(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run with stdout a pipe whose reader is already gone (as `| head` after its lines)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return kvpushd(*args, stdout=write_end)
+    finally:
+        os.close(write_end)
+
+
+JOURNAL_COMMANDS = [
+    ("verify",),
+    ("show",),
+    ("show", "--json"),
+    ("stats",),
+    ("stats", "--json"),
+    ("replay",),
+    ("replay", "--json"),
+    ("timeline", "--request", "req-*"),
+]
+
+
+@pytest.mark.parametrize("command", JOURNAL_COMMANDS, ids=" ".join)
+def test_journal_commands_end_quietly_on_a_closed_pipe(journals: Path, command: tuple) -> None:
+    proc = _into_a_closed_pipe("journal", command[0], str(journals / "node-a"), *command[1:])
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("args", [("--help",), ("run", "--help"), ("journal", "replay", "--help")])
+def test_help_ends_quietly_on_a_closed_pipe(args: tuple) -> None:
+    proc = _into_a_closed_pipe(*args)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+@pytest.mark.parametrize("json", [False, True])
+def test_status_ends_quietly_on_a_closed_pipe(solo_daemon: Daemon, json: bool) -> None:
+    proc = _into_a_closed_pipe("status", "--socket", solo_daemon.socket, *(["--json"] * json))
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
