@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from daemon.dataplane.errors import DataPlaneError
 from daemon.journal.format import JournalCorrupt, JournalFatal, JournalLocked
 from daemon.journal.replay import ReplayError
 from daemon.node.engine_server import EngineServer
@@ -118,10 +119,16 @@ def _peer_manager(config: Config, node: Node, secret: bytes) -> PeerManager | No
     )
 
 
-async def _open_journal(node: Node) -> None:
+async def _open_node(node: Node) -> None:
+    """The journal (locked, replayed) and the data plane (the NIXL agent)."""
     where = node.config.journal.dir
     try:
         await node.open()
+    except DataPlaneError as exc:
+        raise StartupError(
+            f"NIXL data plane (nixl.backend = {node.config.nixl.backend!r}): {exc}; "
+            f"set nixl.backend to an installed plugin (UCX by default)"
+        ) from exc
     except JournalLocked as exc:
         raise StartupError(
             f"journal {where} is in use by another kvpushd; stop it, or give this daemon "
@@ -180,7 +187,7 @@ async def _startup(
         stack.push_async_callback(peers.close)
     metrics = _attach_metrics(config, node)
     stack.push_async_callback(node.close)
-    await _open_journal(node)
+    await _open_node(node)
     if metrics is not None:
         try:
             # Before the engine socket opens, so every status reply has the port.

@@ -133,6 +133,12 @@ CASES: list[tuple[str, Callable[[Path, int], dict[str, str]], str, tuple[str, ..
         "journal",
         ("metrics port", "{port}", "in use", "metrics_port"),
     ),
+    (
+        "unknown NIXL backend",
+        lambda w, p: {"nixl.backend": '"NOPE"'},
+        "journal",
+        ("nixl.backend", "NOPE", "UCX"),
+    ),
     ("journal is a file", _journal_is_a_file, "plain-file", ("plain-file", "journal.dir")),
     ("journal under a file", _journal_is_a_file, "plain-file/sub", ("plain-file/sub", "journal")),
 ]
