@@ -9,6 +9,7 @@ The commands live with what they work on: ``run`` in :mod:`daemon.service`,
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,12 +19,30 @@ import msgspec
 from daemon.ops import journal as ops_journal
 from daemon.postmortem import commands as postmortem_commands
 
-EXIT_CONFIG = 2  # `run`: the configuration is unusable
+EXIT_CONFIG = 2  # `run`: the configuration is unusable (daemon.startup.EXIT_STARTUP)
+
+
+RUN_DEFAULTS = """\
+without --config (or with keys left out), the defaults start on a laptop:
+  node      kvpushd
+  socket    $RUNTIME_DIRECTORY/NODE.sock, else /tmp/kvpushd-UID/NODE.sock
+  journal   $STATE_DIRECTORY/NODE, else ~/.local/state/kvpushd/NODE
+  peers     none; no peer listener until secret_file is set (then listen
+            defaults to 127.0.0.1:7700), and one log line says so
+  engines   the daemon's uid, root, and members of the daemon's own group
+  metrics   off (metrics_port = 0)
+every key: systemd/kvpushd.toml and README.md ("Configuration").
+
+A daemon that cannot start (an unusable config or secret file, a port in
+use, a journal or engine socket another daemon holds) prints one line,
+"kvpushd: cannot start: ...", and exits 2; systemd does not restart it.
+"""
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from daemon.config import ConfigError, load_config
     from daemon.logs import configure
+    from daemon.startup import EXIT_STARTUP, StartupError
 
     overrides = {
         "node": args.node,
@@ -34,7 +53,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, overrides)
     except ConfigError as exc:
-        print(f"kvpushd: invalid configuration: {exc}", file=sys.stderr)
+        where = f" in {args.config}" if args.config else ""
+        print(f"kvpushd: cannot start: invalid configuration{where}: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     if args.journal_dir:
         config = msgspec.structs.replace(
@@ -43,7 +63,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     configure(config.log_level)
     from daemon.service import run
 
-    return run(config)
+    try:
+        return run(config)
+    except StartupError as exc:
+        print(f"kvpushd: cannot start: {exc}", file=sys.stderr)
+        return EXIT_STARTUP
 
 
 # --- `kvpushd status` (daemon/ops/status.py) --------------------------------
@@ -93,7 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    run = sub.add_parser("run", help="run the daemon")
+    run = sub.add_parser(
+        "run",
+        help="run the daemon",
+        epilog=RUN_DEFAULTS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     run.add_argument("--config", type=Path, help="TOML config file (defaults work without one)")
     run.add_argument("--node", help="override the node name")
     run.add_argument("--socket", help="override the engine socket path")
@@ -147,11 +176,33 @@ def _attach_dash_values(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def _stdout_gone(code: int | None) -> int:
+    """The reader of stdout went away (``| head``): end quietly, as other CLI tools do.
+
+    stdout is pointed at /dev/null so that the interpreter's last flush at
+    exit does not fail again and print a traceback.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 0 if code is None else code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(_attach_dash_values(argv))
-    command: Callable[[argparse.Namespace], int] = args.func  # set_defaults(func=...)
-    return command(args)
+    code: int | None = None
+    try:
+        try:
+            args = build_parser().parse_args(_attach_dash_values(argv))
+            command: Callable[[argparse.Namespace], int] = args.func  # set_defaults(func=...)
+            code = command(args)
+        finally:
+            # Inside the try, also on argparse's SystemExit (--help prints to stdout).
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # A command that finished keeps its verdict (verify's exit code is its answer).
+        return _stdout_gone(code)
+    return code
 
 
 if __name__ == "__main__":

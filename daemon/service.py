@@ -5,15 +5,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import structlog
 
+from daemon.dataplane.errors import DataPlaneError
+from daemon.journal.format import JournalCorrupt, JournalFatal, JournalLocked
+from daemon.journal.replay import ReplayError
 from daemon.node.engine_server import EngineServer
-from daemon.node.peerauth import load_secret
+from daemon.node.peerauth import SecretFileError, load_secret
 from daemon.node.peerlink import PeerManager
 from daemon.node.runtime import Node
 from daemon.sdnotify import Notifier
+from daemon.startup import StartupError, address_problem
 from schemas.config import Config
 
 if TYPE_CHECKING:
@@ -72,51 +77,143 @@ async def _serve_metrics(metrics: NodeMetrics, node: Node, port: int) -> int:
 # ---------------------------------------------------------------------------
 
 
-async def serve(config: Config, notifier: Notifier | None = None) -> int:
-    notifier = notifier or Notifier()
-    stop = asyncio.Event()
-    node = Node(config)
-    node.on_fatal = lambda exc: stop.set()
-    metrics = _attach_metrics(config, node)
-    await node.start()
-    await node.load_metadata()
+def _secret(config: Config) -> bytes:
+    """The peer link's secret, read before anything else is touched."""
+    if not config.secret_file:
+        return b""
+    try:
+        return load_secret(config.secret_file)
+    except SecretFileError as exc:
+        raise StartupError(
+            f"{exc} (secret_file: a non-empty file only the daemon's user may read, mode 0600)"
+        ) from exc
 
-    peers: PeerManager | None = None
+
+def _peer_manager(config: Config, node: Node, secret: bytes) -> PeerManager | None:
     # A node that neither listens nor lists peers may still dial on demand.
     dials_on_demand = config.on_demand_peers and bool(config.secret_file)
-    if config.listen or config.peers or dials_on_demand:
-        secret = load_secret(config.secret_file) if config.secret_file else b""
-        peers = PeerManager(
-            config.node,
-            secret,
-            config.listen,
-            config.peers,
-            hello=node.hello,
-            on_up=node.on_peer_up,
-            on_message=node.on_peer_message,
-            on_down=node.on_peer_down,
-            heartbeat_s=config.heartbeat_s,
-            peer_ttl_s=config.peer_ttl_s,
-            max_frame_bytes=config.limits.max_frame_bytes,
-            accept_unlisted=config.on_demand_peers,
-            connect_timeout_s=config.peer_connect_timeout_s,
-            idle_close_s=config.peer_idle_close_s,
-            in_use=node.peers.in_use,
+    if not (config.listen or config.peers or dials_on_demand):
+        why = "no secret_file configured" if not config.secret_file else "nothing to link to"
+        log.info(
+            f"peer link off: {why}",
+            node=config.node,
+            fix="set secret_file, and listen or peers, to link with other daemons",
         )
-        node.attach_peers(peers)
-        await peers.start()
+        return None
+    return PeerManager(
+        config.node,
+        secret,
+        config.listen,
+        config.peers,
+        hello=node.hello,
+        on_up=node.on_peer_up,
+        on_message=node.on_peer_message,
+        on_down=node.on_peer_down,
+        heartbeat_s=config.heartbeat_s,
+        peer_ttl_s=config.peer_ttl_s,
+        max_frame_bytes=config.limits.max_frame_bytes,
+        accept_unlisted=config.on_demand_peers,
+        connect_timeout_s=config.peer_connect_timeout_s,
+        idle_close_s=config.peer_idle_close_s,
+        in_use=node.peers.in_use,
+    )
 
-    if metrics is not None:
-        # Before the engine socket opens, so every status reply has the port.
-        await _serve_metrics(metrics, node, config.metrics_port)
 
+async def _open_node(node: Node) -> None:
+    """The journal (locked, replayed) and the data plane (the NIXL agent)."""
+    where = node.config.journal.dir
+    try:
+        await node.open()
+    except DataPlaneError as exc:
+        raise StartupError(
+            f"NIXL data plane (nixl.backend = {node.config.nixl.backend!r}): {exc}; "
+            f"set nixl.backend to an installed plugin (UCX by default)"
+        ) from exc
+    except JournalLocked as exc:
+        raise StartupError(
+            f"journal {where} is in use by another kvpushd; stop it, or give this daemon "
+            f"its own journal.dir (and node name)"
+        ) from exc
+    except (JournalCorrupt, ReplayError) as exc:
+        raise StartupError(
+            f"journal {where} is damaged before its tail ({exc}); see kvpushd journal verify "
+            f"{where} --salvage, then move the journal aside to start afresh"
+        ) from exc
+    except (JournalFatal, OSError) as exc:
+        path = Path(where)
+        is_file = path.exists() and not path.is_dir()
+        problem = "a file is there, not a directory" if is_file else _cause(exc)
+        raise StartupError(
+            f"journal {where}: {problem}; journal.dir must be a directory the daemon's "
+            f"user can create and write"
+        ) from exc
+
+
+def _cause(exc: BaseException) -> str:
+    """The innermost OSError's words, else the exception's."""
+    while not isinstance(exc, OSError) and exc.__cause__ is not None:
+        exc = exc.__cause__
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc)
+
+
+async def _startup(
+    config: Config, node: Node, stack: contextlib.AsyncExitStack
+) -> tuple[PeerManager | None, EngineServer, NodeMetrics | None]:
+    """Everything that can fail, in an order that journals nothing until none can.
+
+    Each step that takes something (a lock, a port, the NIXL agent) leaves
+    its undoing on ``stack``; the caller unwinds it if a later step fails.
+    """
+    secret = _secret(config)
     server = EngineServer(
         config.socket,
         node,
         max_frame_bytes=config.limits.max_frame_bytes,
         allowed_uids=config.allowed_uids,
-        allowed_gids=config.allowed_gids,
+        allowed_gids=tuple(int(g) for g in config.allowed_groups or ()),
     )
+    await server.bind()
+    stack.callback(server.release)
+    peers = _peer_manager(config, node, secret)
+    if peers is not None:
+        try:
+            await peers.bind()
+        except OSError as exc:
+            raise address_problem(
+                "peer listen address", config.listen, exc, "free it, or set listen"
+            ) from exc
+        stack.push_async_callback(peers.close)
+    metrics = _attach_metrics(config, node)
+    stack.push_async_callback(node.close)
+    await _open_node(node)
+    if metrics is not None:
+        try:
+            # Before the engine socket opens, so every status reply has the port.
+            await _serve_metrics(metrics, node, config.metrics_port)
+        except OSError as exc:
+            raise address_problem(
+                "metrics port", f"127.0.0.1:{config.metrics_port}", exc, "set metrics_port"
+            ) from exc
+        stack.push_async_callback(metrics.close)
+    return peers, server, metrics
+
+
+async def serve(config: Config, notifier: Notifier | None = None) -> int:
+    """Run the daemon until SIGTERM; raises StartupError if it cannot start."""
+    notifier = notifier or Notifier()
+    stop = asyncio.Event()
+    node = Node(config)
+    node.on_fatal = lambda exc: stop.set()
+    async with contextlib.AsyncExitStack() as undo:
+        peers, server, metrics = await _startup(config, node, undo)
+        undo.pop_all()
+    await node.begin()
+    await node.load_metadata()
+    if peers is not None:
+        node.attach_peers(peers)
+        await peers.start()
     await server.start()
 
     loop = asyncio.get_running_loop()

@@ -1,16 +1,36 @@
 """Daemon configuration, decoded from TOML into these Structs.
 
 Every field has a default that works for local use, so ``kvpushd run`` needs
-no config file on a developer machine.
+no config file on a developer machine (README.md, "Configuration").
+
+Ranges are declared here, beside each field, so that a file with a port of
+70000 or a negative duration is refused at load, naming the field, instead
+of being carried out; rules that relate fields live in ``daemon/config.py``.
 """
 
 from __future__ import annotations
 
 import enum
+from typing import Annotated, Final
 
 import msgspec
 
 from schemas.state import Deadlines
+
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+# uid_t and gid_t are 32-bit; (uid_t)-1 means "no change" to the kernel, never a user.
+PosixId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 2)]
+
+DEFAULT_LISTEN: Final = "127.0.0.1:7700"
+
+
+class LogLevel(enum.StrEnum):
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
 
 
 class FsyncPolicy(enum.StrEnum):
@@ -21,7 +41,7 @@ class FsyncPolicy(enum.StrEnum):
 
 class PeerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     node: str
-    address: str  # host:port of the peer's listen address
+    address: str  # host:port of the peer's listen address (port checked in daemon/config.py)
 
 
 class JournalConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -29,49 +49,59 @@ class JournalConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     fsync: FsyncPolicy = FsyncPolicy.BATCH
     # 0: commit as soon as the loop is idle; appends made while a sync is in
     # flight ride the next one, which is what groups them.
-    commit_window_ms: float = 0.0
-    segment_mb: int = 64
-    snapshot_every: int = 100_000  # records between snapshots
-    retain_segments: int = 2
+    commit_window_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    segment_mb: Positive = 64
+    snapshot_every: NonNegative = 100_000  # records between snapshots; 0: never
+    retain_segments: NonNegative = 2
 
 
 class NixlConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    backend: str = "UCX"
+    backend: Annotated[str, msgspec.Meta(min_length=1)] = "UCX"
     # Seconds the data-plane thread sleeps between polls while transfers or
     # notifications are outstanding; it blocks when there are none.
-    poll_interval_s: float = 0.00005
+    poll_interval_s: Seconds = 0.00005
 
 
 class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    max_frame_bytes: int = 4 * 1024 * 1024
-    max_live_per_engine: int = 4096
-    tombstones: int = 100_000
+    # A frame's length prefix is 4 bytes; below 1 KiB not even a status fits.
+    max_frame_bytes: Annotated[int, msgspec.Meta(ge=1024, le=2**32 - 1)] = 4 * 1024 * 1024
+    max_live_per_engine: Positive = 4096
+    # Released ids remembered to refuse stale messages (invariant 4): never none.
+    tombstones: Positive = 100_000
 
 
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     node: str = "kvpushd"
     socket: str = ""  # empty: $RUNTIME_DIRECTORY/NODE.sock, else /tmp/kvpushd-UID/NODE.sock
-    listen: str = "127.0.0.1:7700"  # peer link; empty string: do not listen
+    # Peer link; "": do not listen. Left out of the file, it is DEFAULT_LISTEN
+    # when secret_file is set and "" without one (daemon/config.py), so that
+    # `kvpushd run` starts with no config at all.
+    listen: str = DEFAULT_LISTEN
     peers: tuple[PeerConfig, ...] = ()
-    secret_file: str = ""  # shared secret for the peer link; required when peers exist
-    heartbeat_s: float = 1.0
-    peer_ttl_s: float = 5.0
+    secret_file: str = ""  # shared secret for the peer link; required to listen or peer
+    heartbeat_s: Seconds = 1.0
+    peer_ttl_s: Seconds = 5.0
     # Peers on demand (README.md): accept an authenticated dialer that is not
     # in `peers`, and dial the pusher's daemon a receiver registration names by
     # `peer_address`. Off: only `peers` ever link, and addresses are ignored.
     on_demand_peers: bool = True
     # How long dialing an on-demand peer (TCP connect, handshake, Hello) may
     # take before the registration that needed it is refused peer_unreachable.
-    peer_connect_timeout_s: float = 5.0
+    peer_connect_timeout_s: Seconds = 5.0
     # An on-demand link this node dialed is closed once no live request has
     # referenced the peer for this long (0: never); it is dialed again when a
     # registration needs it, never in a loop.
-    peer_idle_close_s: float = 60.0
-    drain_s: float = 10.0
-    allowed_uids: tuple[int, ...] = ()  # empty: the daemon's own uid and root
-    allowed_gids: tuple[int, ...] = ()
-    log_level: str = "info"
-    metrics_port: int = 0  # 0: no metrics endpoint
+    peer_idle_close_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
+    drain_s: Seconds = 10.0
+    # Who may use the engine socket (SO_PEERCRED). Empty uids: the daemon's
+    # own uid and root. Groups by name or gid, a primary or supplementary
+    # membership; None (left out): the daemon's own group, which under the
+    # systemd unit is `kvpushd`, the group that owns the socket. After load
+    # (daemon/config.py) names are resolved, so only gids remain.
+    allowed_uids: tuple[PosixId, ...] = ()
+    allowed_groups: tuple[PosixId | str, ...] | None = None
+    log_level: LogLevel = LogLevel.INFO
+    metrics_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0  # 0: no metrics endpoint
     journal: JournalConfig = JournalConfig()
     deadlines: Deadlines = Deadlines()
     nixl: NixlConfig = NixlConfig()

@@ -142,6 +142,9 @@ NOT_REGISTERED: Final = "not_registered"
 BAD_REGION: Final = "bad_region"
 INTERNAL: Final = "internal"
 SHUTTING_DOWN: Final = "shutting_down"
+# The connecting process's uid and groups are not allowed (allowed_uids,
+# allowed_groups): sent with id 0 before the daemon closes the connection.
+NOT_ALLOWED: Final = "not_allowed"
 
 
 # ----------------------------------------------------------------- events

@@ -120,7 +120,12 @@ class FakeDaemon:
         assert task is not None
         self._tasks.add(task)
         if self.refuse:
-            await conn.send(rpc.Error(0, code="permission_denied", message="uid 1 may not"))
+            # As the daemon does: the refusal, EOF, and what the client sends left unread.
+            await conn.send(rpc.Error(0, code=rpc.NOT_ALLOWED, message="uid 1 may not"))
+            writer.write_eof()
+            with contextlib.suppress(ConnectionError):
+                while await reader.read(65536):
+                    pass
             writer.close()
             return
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
@@ -358,10 +363,9 @@ async def test_connect_failures_with_fake_daemon(daemon: FakeDaemon, sock_dir: s
 
 async def test_refused_connection_says_why_with_fake_daemon(daemon: FakeDaemon) -> None:
     daemon.refuse = True
-    with pytest.raises(ConnectionLost, match="permission_denied") as info:
+    with pytest.raises(RpcError, match="not_allowed") as info:
         await EngineClient.connect(daemon.path)
-    assert info.value.daemon_error is not None
-    assert info.value.daemon_error.code == "permission_denied"
+    assert info.value.code == rpc.NOT_ALLOWED and info.value.message == "uid 1 may not"
 
 
 async def _connected(daemon: FakeDaemon, n: int) -> bool:

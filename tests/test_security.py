@@ -2,8 +2,9 @@
 
 * The engine socket is mode 0660; who reaches it is the group's business.
 * SO_PEERCRED: a client whose uid and gid are not allowed is refused with
-  ``permission_denied`` before anything it sends is read; ``allowed_uids``
-  and ``allowed_gids`` admit. Clients run as other uids in forked children
+  ``not_allowed`` before anything it sends is read; ``allowed_uids``
+  and ``allowed_groups`` admit, and by default the daemon's own group does.
+  Clients run as other uids in forked children
   that drop root with setgid/setuid before connecting.
 * Engine memory: a region must be a regular file under /dev/shm, owned by
   the connecting engine's uid, of exactly the declared size, holding the
@@ -195,7 +196,7 @@ def pair() -> Iterator[tuple[Daemon, Daemon]]:
 @pytest.fixture(scope="module")
 def admitting() -> Iterator[Daemon]:
     """A daemon that admits uid ADMITTED_UID and gid ENGINE_GID (and root, to be managed)."""
-    extra = f"allowed_uids = [0, {ADMITTED_UID}]\nallowed_gids = [{ENGINE_GID}]"
+    extra = f"allowed_uids = [0, {ADMITTED_UID}]\nallowed_groups = [{ENGINE_GID}]"
     with open_workdir() as workdir:
         (daemon,) = start_daemons(lambda: [Daemon("admitting", workdir, free_port(), extra=extra)])
         try:
@@ -241,13 +242,13 @@ def test_peercred_refuses_a_uid_and_gid_not_allowed(pair: tuple[Daemon, Daemon])
     # neither request was answered.
     assert len(replies) == 1, replies
     (refusal,) = replies
-    assert isinstance(refusal, rpc.Error) and refusal.code == "permission_denied"
+    assert isinstance(refusal, rpc.Error) and refusal.code == rpc.NOT_ALLOWED
     assert f"uid {OTHER_UID}" in refusal.message and f"gid {ENGINE_GID}" in refusal.message
     assert "credentials not allowed" in prefill.logs()
     assert both_views(prefill) == before
 
 
-def test_allowed_gids_and_uids_admit(admitting: Daemon) -> None:
+def test_allowed_groups_and_uids_admit(admitting: Daemon) -> None:
     sock = admitting.socket
     os.chown(sock, ADMITTED_UID, ENGINE_GID)
     try:
@@ -262,7 +263,24 @@ def test_allowed_gids_and_uids_admit(admitting: Daemon) -> None:
         os.chown(sock, 0, 0)
     for replies in (by_gid, by_uid):
         assert [type(r) for r in replies] == [rpc.HelloOk, rpc.StatusReply], replies
-    assert len(stranger) == 1 and stranger[0].code == "permission_denied", stranger
+    assert len(stranger) == 1 and stranger[0].code == rpc.NOT_ALLOWED, stranger
+
+
+def test_the_daemons_own_group_is_admitted_by_default(pair: tuple[Daemon, Daemon]) -> None:
+    """No allowed_groups: members of the daemon's group (kvpushd under the unit) may connect."""
+    prefill, _ = pair
+    own_gid = os.getgid()
+    request = encode(rpc.Hello(1, "engine"), rpc.Status(2))
+    primary = decode_replies(run_as(OTHER_UID, own_gid, prefill.socket, request, 2))
+    os.chmod(prefill.socket, 0o666)  # let a supplementary member reach the credential check
+    try:
+        supplementary = decode_replies(
+            run_as(OTHER_UID, STRANGER, prefill.socket, request, 2, groups=(own_gid,))
+        )
+    finally:
+        os.chmod(prefill.socket, 0o660)
+    for replies in (primary, supplementary):
+        assert [type(r) for r in replies] == [rpc.HelloOk, rpc.StatusReply], replies
 
 
 def test_a_supplementary_member_of_an_allowed_group_is_admitted(admitting: Daemon) -> None:
@@ -282,7 +300,7 @@ def test_a_supplementary_member_of_an_allowed_group_is_admitted(admitting: Daemo
         os.chmod(sock, 0o660)
         os.chown(sock, 0, 0)
     assert [type(r) for r in member] == [rpc.HelloOk, rpc.StatusReply], member
-    assert len(outsider) == 1 and outsider[0].code == "permission_denied", outsider
+    assert len(outsider) == 1 and outsider[0].code == rpc.NOT_ALLOWED, outsider
 
 
 def test_regions_must_belong_to_the_connecting_uid(admitting: Daemon) -> None:

@@ -1,7 +1,8 @@
-"""The daemon as a service: configuration errors, defaults, systemd notify, SIGTERM."""
+"""The daemon as a service: configuration errors and ranges, defaults, systemd notify, SIGTERM."""
 
 from __future__ import annotations
 
+import grp
 import os
 import signal
 import socket
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from daemon.config import ConfigError, load_config
 from daemon.ops.status import fetch_status
 from tests.support import REPO
 
@@ -37,6 +39,8 @@ def _run(*args: str, env: dict[str, str] | None = None, timeout: float = 30):
         ('heartbeat_s = "fast"', "heartbeat_s"),
         ('[[peers]]\nnode = "b"\naddress = "127.0.0.1:1"', "secret_file"),
         ('listen = "nocolon"', "listen"),
+        ("metrics_port = 70000", "metrics_port"),
+        ("drain_s = -5", "drain_s"),
     ],
 )
 def test_invalid_config_names_the_field_and_exits_2(tmp_path: Path, toml: str, field: str):
@@ -47,6 +51,73 @@ def test_invalid_config_names_the_field_and_exits_2(tmp_path: Path, toml: str, f
     assert field in proc.stderr
     assert "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stderr.startswith(f"kvpushd: cannot start: invalid configuration in {config}: ")
+
+
+SECRET_LINE = 'secret_file = "/etc/kvpushd/secret"'
+
+
+@pytest.mark.parametrize(
+    ("toml", "field"),
+    [
+        ("metrics_port = 70000", "metrics_port"),
+        ("metrics_port = -1", "metrics_port"),
+        (f'{SECRET_LINE}\nlisten = "127.0.0.1:0"', "listen"),
+        (f'{SECRET_LINE}\nlisten = "127.0.0.1:65536"', "listen"),
+        (f'{SECRET_LINE}\nlisten = "127.0.0.1:http"', "listen"),
+        ('listen = "127.0.0.1:7700"', "listen"),  # a listener without a secret
+        (f'{SECRET_LINE}\n[[peers]]\nnode = "b"\naddress = "10.0.0.2:0"', "peers[0].address"),
+        ("drain_s = -5", "drain_s"),
+        ("drain_s = 0", "drain_s"),
+        ("heartbeat_s = nan", "heartbeat_s"),
+        ("peer_connect_timeout_s = 0", "peer_connect_timeout_s"),
+        ("peer_idle_close_s = -1", "peer_idle_close_s"),
+        ("peer_idle_close_s = inf", "peer_idle_close_s"),
+        ("[deadlines]\nwriting = inf", "deadlines.writing"),
+        ("[deadlines]\ndone = 0", "deadlines.done"),
+        ("[journal]\nsegment_mb = 0", "journal.segment_mb"),
+        ("[journal]\ncommit_window_ms = -1", "journal.commit_window_ms"),
+        ("[journal]\nsnapshot_every = -1", "journal.snapshot_every"),
+        ("[journal]\nretain_segments = -1", "journal.retain_segments"),
+        ("[limits]\nmax_live_per_engine = 0", "limits.max_live_per_engine"),
+        ("[limits]\nmax_frame_bytes = 100", "limits.max_frame_bytes"),
+        ("[limits]\nmax_frame_bytes = 5000000000", "limits.max_frame_bytes"),
+        ("[limits]\ntombstones = 0", "limits.tombstones"),
+        ("[nixl]\npoll_interval_s = 0", "nixl.poll_interval_s"),
+        ('[nixl]\nbackend = ""', "nixl.backend"),
+        ('log_level = "loud"', "log_level"),
+        ("allowed_uids = [-1]", "allowed_uids[0]"),
+        ("allowed_groups = [-3]", "allowed_groups[0]"),
+        ('allowed_groups = ["no-such-group-kvpushd-test"]', "allowed_groups"),
+        ("allowed_gids = [0]", "allowed_gids: renamed allowed_groups"),
+        ('node = "a/b"', "node"),
+        (f'socket = "/tmp/{"s" * 120}.sock"', "socket"),
+    ],
+)
+def test_config_values_are_range_checked_at_load(toml: str, field: str, tmp_path: Path):
+    config = tmp_path / "bad.toml"
+    config.write_text(toml + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(config)
+    assert str(info.value).startswith(field if ":" in field else f"{field}: "), info.value
+
+
+def test_groups_by_name_or_gid_are_resolved_at_load(tmp_path: Path):
+    root_group = grp.getgrgid(0).gr_name
+    config = tmp_path / "groups.toml"
+    config.write_text(f'allowed_groups = ["{root_group}", 4242]\n')
+    assert load_config(config).allowed_groups == (0, 4242)
+    # Left out: the daemon's own group (Group=kvpushd under the unit); [] admits no group.
+    assert load_config(None).allowed_groups == (os.getgid(),)
+    config.write_text("allowed_groups = []\n")
+    assert load_config(config).allowed_groups == ()
+
+
+def test_without_a_secret_there_is_no_listener_and_with_one_the_default_listens(tmp_path: Path):
+    assert load_config(None).listen == ""
+    config = tmp_path / "secret.toml"
+    config.write_text(f"{SECRET_LINE}\n")
+    assert load_config(config).listen == "127.0.0.1:7700"
 
 
 def test_unreadable_and_malformed_config(tmp_path: Path):
@@ -82,7 +153,8 @@ def test_defaults_without_config_and_systemd_notify(tmp_path: Path):
         "WATCHDOG_USEC": "300000",
     }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "daemon.cli", "run", "--node", "solo", "--listen", ""],
+        # No config and no --listen: the defaults start without a secret (no peer link).
+        [sys.executable, "-m", "daemon.cli", "run", "--node", "solo"],
         cwd=REPO,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -98,7 +170,8 @@ def test_defaults_without_config_and_systemd_notify(tmp_path: Path):
         ready = next(m for m in messages if "READY=1" in m)
         assert "STATUS=" in ready and f"MAINPID={proc.pid}" in ready
         assert oct(sock_path.stat().st_mode & 0o777) == "0o660"
-        assert fetch_status(str(sock_path))["node"] == "solo"
+        status = fetch_status(str(sock_path))
+        assert status["node"] == "solo" and status["peers"] == []
         assert (tmp_path / "state" / "solo").is_dir()  # the journal lives in StateDirectory
         # The watchdog is pinged from the event loop at half of WATCHDOG_USEC.
         later = _recv_all(sd, time.monotonic() + 1.0)
@@ -108,6 +181,8 @@ def test_defaults_without_config_and_systemd_notify(tmp_path: Path):
         tail = _recv_all(sd, time.monotonic() + 1.0)
         assert any(m.startswith("STOPPING=1") for m in tail), tail
         assert not sock_path.exists(), "the socket is removed on exit"
+        logged = proc.stderr.read().decode()
+        assert logged.count("peer link off: no secret_file configured") == 1, logged
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -112,7 +112,9 @@ class EngineClient:
 
         Raises :class:`ConnectionLost` when the socket cannot be reached,
         :class:`ProtocolError` on a protocol version mismatch, and
-        :class:`RpcError` when the daemon refuses the Hello.
+        :class:`RpcError` when the daemon refuses the Hello or the connection
+        itself (code ``not_allowed``: this process's uid and groups may not
+        use the daemon).
         """
         try:
             reader, writer = await asyncio.wait_for(
@@ -131,6 +133,13 @@ class EngineClient:
         client._reader_task = asyncio.create_task(client._read_loop(), name="kvpushd-client-reader")
         try:
             await client._hello(client_name)
+        except ConnectionLost as exc:
+            await client.close()
+            # The daemon said why it hung up before answering (a refused
+            # connection): that is the answer to the Hello.
+            if exc.daemon_error is not None:
+                raise exc.daemon_error from exc
+            raise
         except BaseException:
             await client.close()
             raise

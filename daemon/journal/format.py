@@ -123,6 +123,7 @@ __all__ = [
     "JournalError",
     "JournalFatal",
     "JournalLocked",
+    "NoJournal",
     "check_payload",
     "segment_name",
     "snapshot_name",
@@ -190,6 +191,10 @@ class JournalFatal(JournalError):
 
 class JournalLocked(JournalError):
     """Another Journal holds the directory."""
+
+
+class NoJournal(JournalError):
+    """The path holds no journal at all: a wrong path, not damage."""
 
 
 class JournalClosed(JournalError):

@@ -29,6 +29,7 @@ from daemon.journal.format import (
     Invalid,
     JournalCorrupt,
     JournalError,
+    NoJournal,
     find_next_frame,
     frame_problem,
     list_files,
@@ -36,7 +37,14 @@ from daemon.journal.format import (
     parse_run,
 )
 
-__all__ = ["Damage", "JournalContents", "Records", "Snapshot", "read_journal"]
+__all__ = [
+    "Damage",
+    "JournalContents",
+    "Records",
+    "Snapshot",
+    "read_journal",
+    "require_journal",
+]
 
 
 class Snapshot(NamedTuple):
@@ -286,6 +294,40 @@ def _check_continuity(
         reader.problem(path, 0, 0, f"gap: records {floor + 1}..{first_seq - 1} are missing")
     elif prev_last is not None and first_seq <= prev_last:
         reader.problem(path, 0, 0, f"overlap: segment starts at {first_seq}, after {prev_last}")
+
+
+def require_journal(path: str | os.PathLike[str]) -> None:
+    """Raise :class:`NoJournal` unless ``path`` is a journal directory or segment file.
+
+    For the operator's commands: reading an empty directory yields an empty,
+    valid journal (a daemon starts that way), so pointing a command at
+    /var/lib/kvpushd instead of /var/lib/kvpushd/NODE would report "0
+    records, all is well". A segment file is recognised by its magic, so a
+    damaged one is still read (and its damage listed); anything else is not
+    a journal. ``FileNotFoundError`` if ``path`` is missing.
+    """
+    root = Path(path)
+    if root.is_dir():
+        if list_files(root, SEGMENT_RE) or list_files(root, SNAPSHOT_RE):
+            return
+        inside = sorted(
+            str(sub) for sub in root.iterdir() if sub.is_dir() and list_files(sub, SEGMENT_RE)
+        )
+        hint = (
+            f"; journals are one level down: {', '.join(inside)}"
+            if inside
+            else "; give a node's journal directory (journal.dir, e.g. /var/lib/kvpushd/NODE)"
+        )
+        raise NoJournal(f"{root}: no journal here (no seg-*.kvj segment files){hint}")
+    if not root.exists():
+        raise FileNotFoundError(errno.ENOENT, "no such file or directory", str(root))
+    with root.open("rb") as file:
+        magic = file.read(len(SEGMENT_MAGIC))
+    if magic != SEGMENT_MAGIC:
+        raise NoJournal(
+            f"{root}: not a kvpushd journal segment (it does not start with "
+            f"{SEGMENT_MAGIC.decode()}); give a journal directory or its seg-*.kvj files"
+        )
 
 
 def read_journal(path: str | os.PathLike[str], *, salvage: bool = False) -> JournalContents:

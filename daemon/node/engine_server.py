@@ -26,6 +26,7 @@ from daemon.dataplane.memory import RegionError
 from daemon.framing import EmptyFrame, FrameEncoder, FrameTooLarge, read_frame
 from daemon.node.runtime import VERSION
 from daemon.node.serializer import KeyedSerializer
+from daemon.node.socketclaim import SocketClaim
 from schemas import rpc
 from schemas.config import Config
 from schemas.status import StatusDocument
@@ -95,6 +96,9 @@ Handler = Callable[[Session, Any], Awaitable[rpc.Reply]]
 
 # Requests one connection may have in flight before the server stops reading it.
 MAX_INFLIGHT_PER_CONNECTION = 1024
+# How long, and how much, a refused client may still send before it is cut off.
+REFUSED_LINGER_S = 2.0
+REFUSED_DISCARD_BYTES = 1024 * 1024
 
 
 class EngineApi(Protocol):
@@ -139,6 +143,7 @@ class EngineServer:
         self.allowed_gids = set(allowed_gids)
         self.sessions: set[Session] = set()
         self._server: asyncio.AbstractServer | None = None
+        self._claim: SocketClaim | None = None
         self._decoder = msgspec.msgpack.Decoder(rpc.Request)
         self._handlers: dict[type, Handler] = {
             rpc.Hello: self._hello,
@@ -151,15 +156,32 @@ class EngineServer:
         }
         self._tasks: set[asyncio.Task[None]] = set()
 
+    async def bind(self) -> None:
+        """Claim the socket path and listen, without accepting yet.
+
+        Raises :class:`daemon.startup.StartupError` when another daemon owns
+        the path, or it cannot be bound (daemon/node/socketclaim.py).
+        """
+        if self._claim is not None:
+            return
+        self._claim = SocketClaim.take(self.path)
+        try:
+            self._server = await asyncio.start_unix_server(
+                self._serve,
+                sock=self._claim.sock,
+                limit=self.max_frame_bytes + 64,
+                start_serving=False,
+            )
+        except BaseException:
+            self._claim.sock.close()
+            self._claim.release()
+            self._claim = None
+            raise
+
     async def start(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
-        self._server = await asyncio.start_unix_server(
-            self._serve, path=str(self.path), limit=self.max_frame_bytes + 64
-        )
-        # The socket is mode 0660; who may connect is the group's business.
-        os.chmod(self.path, 0o660)
+        await self.bind()
+        assert self._server is not None
+        await self._server.start_serving()
 
     def stop_accepting(self) -> None:
         if self._server is not None:
@@ -176,8 +198,16 @@ class EngineServer:
             await asyncio.wait(list(self._tasks), timeout=2.0)
         for task in list(self._tasks):
             task.cancel()
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        self.release()
+
+    def release(self) -> None:
+        """Close the listening socket and give the path up, removing it only if it is ours."""
+        if self._server is not None:
+            self._server.close()
+        if self._claim is not None:
+            self._claim.sock.close()
+            self._claim.release()
+            self._claim = None
 
     def _allowed(self, uid: int, gid: int, groups: tuple[int, ...]) -> bool:
         if uid in self.allowed_uids or gid in self.allowed_gids:
@@ -198,10 +228,13 @@ class EngineServer:
                 clog.warning("engine connection refused: credentials not allowed", gid=gid)
                 session.send(
                     rpc.Error(
-                        0, "permission_denied", f"uid {uid} / gid {gid} may not use this daemon"
+                        0,
+                        rpc.NOT_ALLOWED,
+                        f"uid {uid} / gid {gid} may not use this daemon: add the uid to "
+                        f"allowed_uids or one of its groups to allowed_groups",
                     )
                 )
-                await writer.drain()
+                await _close_refused(reader, writer)
                 return
             self.sessions.add(session)
             await self._loop(reader, session, clog)
@@ -293,6 +326,25 @@ class EngineServer:
 
     async def _status(self, session: Session, req: rpc.Status) -> rpc.Reply:
         return rpc.StatusReply(req.id, self.node.status())
+
+
+async def _close_refused(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """End a refused connection so that the client reads the refusal, not a reset.
+
+    Closing a Unix socket with unread bytes in it (the client's Hello, sent
+    right after connect) makes the kernel reset the client's end, and a
+    client still writing gets EPIPE before it reads why. So: send EOF after
+    the refusal, and discard, unread, what the client sends until it hangs
+    up, within bounds so that a refused client cannot hold the connection.
+    """
+    with contextlib.suppress(ConnectionError, OSError):
+        await writer.drain()
+        writer.write_eof()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(REFUSED_LINGER_S):
+                discarded = 0
+                while discarded < REFUSED_DISCARD_BYTES and (chunk := await reader.read(65536)):
+                    discarded += len(chunk)
 
 
 async def _replies_drained(writer: asyncio.StreamWriter) -> bool:

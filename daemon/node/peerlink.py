@@ -404,15 +404,28 @@ class PeerManager:
 
     # ---- public API
 
+    async def bind(self) -> None:
+        """Take the listen address (unless ``listen`` is empty) without accepting yet.
+
+        Separate from :meth:`start` so that the daemon learns the port is taken
+        before it journals that it started (an OSError: EADDRINUSE and the like).
+        """
+        if self._listen and self._server is None:
+            host, port = parse_host_port(self._listen)
+            self._server = await asyncio.start_server(
+                self._serve_accepted, host, port, start_serving=False
+            )
+            self.listen_port = self._server.sockets[0].getsockname()[1]
+
     async def start(self) -> None:
         """Listen (unless ``listen`` is empty) and start dialing higher-named peers."""
         if self._started:
             raise RuntimeError("PeerManager.start() called twice")
         self._started = True
-        if self._listen:
-            host, port = parse_host_port(self._listen)
-            self._server = await asyncio.start_server(self._serve_accepted, host, port)
-            self.listen_port = self._server.sockets[0].getsockname()[1]
+        await self.bind()
+        if self._server is not None:
+            await self._server.start_serving()
+            host, _ = parse_host_port(self._listen)
             self._log.info("peer_listening", host=host, port=self.listen_port)
         for peer in self._peers.values():
             if self._dials(peer.node):

@@ -117,6 +117,16 @@ class Node:
     # ------------------------------------------------------------ start / stop
 
     async def start(self) -> None:
+        await self.open()
+        await self.begin()
+
+    async def open(self) -> None:
+        """Lock and replay the journal, start the data plane; journal nothing yet.
+
+        What can still fail after this (a port in use) must not leave a
+        DaemonStarted record behind: postmortems would count restarts that
+        never ran. The service calls :meth:`begin` once nothing can.
+        """
         cfg = self.config
         self.journal = Journal.open(
             cfg.journal.dir,
@@ -158,6 +168,10 @@ class Node:
         )
         await self.dataplane.start()
         self.dataplane.set_notification_handler(self.transfers.on_notification)
+
+    async def begin(self) -> None:
+        """Journal the start, fail what the restart interrupted, start the deadlines."""
+        assert self.group is not None and self.journal is not None, "begin() needs open()"
         self.ledger.commit([DaemonStarted(os.getpid(), VERSION, self.boot_id)])
         self._fail_after_restart()
         # Engines attached before the restart must register again (their memory

@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 
 from daemon.journal.format import JournalCorrupt, JournalError
+from daemon.journal.reader import require_journal
 from daemon.journal.replay import ReplayError, iter_records, replay
 from daemon.journal.stats import JournalStats
 from daemon.ops.texttable import table
@@ -24,14 +25,26 @@ from schemas.events import Record
 # `journal verify` exit codes: scripts and operators branch on them.
 EXIT_CLEAN = 0
 EXIT_TORN_TAIL = 1
-EXIT_CORRUPT = 2
+EXIT_CORRUPT = 2  # also: no journal at the path, or it cannot be read
 
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f}"
 
 
+def _not_a_journal(path: Path) -> bool:
+    """Say so (one line) when ``path`` holds no journal: "0 records, OK" would mislead."""
+    try:
+        require_journal(path)
+    except (JournalError, OSError) as exc:
+        print(f"ERROR: {exc}", file=sys.stderr)
+        return True
+    return False
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
+    if _not_a_journal(args.path):
+        return EXIT_CORRUPT
     try:
         result = replay(args.path, salvage=args.salvage)
     except JournalCorrupt as exc:
@@ -70,6 +83,8 @@ def _show_line(record: Record) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    if _not_a_journal(args.path):
+        return EXIT_CORRUPT
     try:
         _, records = iter_records(args.path, salvage=True)
         for record in records:
@@ -100,6 +115,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    if _not_a_journal(args.path):
+        return EXIT_CORRUPT
     stats = JournalStats()
     try:
         result = replay(args.path, salvage=args.salvage, on_record=stats.on_record)

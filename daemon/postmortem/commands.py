@@ -141,9 +141,16 @@ def _prepare(args: argparse.Namespace, details: KeepDetails | None) -> tuple[Mer
     # cyclic collector would only rescan them, for seconds, finding nothing.
     gc.disable()
     try:
-        merged = merge(load(args.journals, jobs=args.jobs, progress=sys.stderr, details=details))
+        folds = load(args.journals, jobs=args.jobs, progress=sys.stderr, details=details)
     except (JournalError, ReplayError, OSError) as exc:
         raise PostmortemError(str(exc)) from exc
+    if not any(len(fold.seq) for fold in folds):
+        # Nothing to place in time: every analysis below would be of NaNs.
+        damage = next((d for fold in folds for d in fold.damage), "")
+        raise PostmortemError(
+            "no intact record in these journals" + (f" (damage: {damage})" if damage else "")
+        )
+    merged = merge(folds)
     return merged, resolve_filters(spec_from_args(args), merged)
 
 

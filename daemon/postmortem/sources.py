@@ -8,7 +8,8 @@ from pathlib import Path
 
 import msgspec
 
-from daemon.journal.format import FRAME_OVERHEAD, HEADER_SIZE
+from daemon.journal.format import FRAME_OVERHEAD, HEADER_SIZE, NoJournal
+from daemon.journal.reader import require_journal
 from daemon.postmortem.vocab import PostmortemError
 from schemas.events import Record, decode_record
 
@@ -51,13 +52,17 @@ def _first_record(segment: Path) -> Record | None:
 
 def _peek(path: Path) -> tuple[str | None, int]:
     """(node name, first seq) of a journal directory or segment file."""
+    try:
+        require_journal(path)
+    except NoJournal as exc:
+        raise PostmortemError(str(exc)) from exc
+    except OSError as exc:
+        raise PostmortemError(f"{path}: {exc.strerror or exc}") from exc
     if path.is_dir():
         segments = sorted(path.glob("seg-*.kvj"))
         if not segments:
             raise PostmortemError(f"{path}: no journal segments (seg-*.kvj) here")
         path = segments[0]
-    elif not path.exists():
-        raise PostmortemError(f"{path}: no such file or directory")
     first = _first_record(path)
     return (None, 0) if first is None else (first.node, first.seq)
 
