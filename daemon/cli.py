@@ -40,7 +40,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         config = msgspec.structs.replace(
             config, journal=msgspec.structs.replace(config.journal, dir=args.journal_dir)
         )
-    configure(config.log_level)
+    configure(config.log_level, node=config.node, capture_native=True)
     from daemon.service import run
 
     return run(config)
