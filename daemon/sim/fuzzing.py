@@ -305,7 +305,7 @@ def status_view(status: dict) -> RegistryView:
 
 
 def journal_view(daemon: Daemon) -> RegistryView:
-    """The registry a replay of the daemon's journal rebuilds (DESIGN invariant 8)."""
+    """The registry a replay of the daemon's journal rebuilds (ARCHITECTURE.md, invariant 8)."""
     registry = replay(daemon.journal).registry
     requests = frozenset(
         (r.request_id, r.incarnation, r.state.value) for r in registry.live.values()
