@@ -596,3 +596,25 @@ def test_journal_with_a_snapshot(tmp_path):
     assert carried.summary.label == "released after done"
     assert carried.steps[0].before == "registered" and carried.steps[0].after == "trimmed"
     assert analysis.gaps == [] and analysis.rejected == []
+
+
+def test_engine_holds_are_listed_apart_from_daemon_time(demo, tmp_path):
+    records = _records(demo["prefill"])
+    victim = _delivered(records)[-1]
+    # Its engine kept the blocks 5 s after done: every record from its release on is later.
+    at = next(
+        i for i, r in enumerate(records) if _rid(r) == victim and isinstance(r.event, Released)
+    )
+    held = records[:at] + [msgspec.structs.replace(r, ts=r.ts + 5.0) for r in records[at:]]
+    copy = _write(tmp_path / "prefill", held)
+    analysis = _analyse(copy)
+    assert analysis.longest_holds[0].key == (victim, 1)
+    assert analysis.longest_holds[0].seconds >= 5.0
+    assert {t.name for t in analysis.longest_holds} == {"done->released"}
+    assert "done->released" not in {t.name for t in analysis.slowest}
+    text = _kvpushd("journal", "replay", copy).stdout
+    holds = text[text.index("longest engine holds") :]
+    assert f"{victim}#1" in holds.splitlines()[3]
+    data = _replay_json(copy)
+    assert data["longest_engine_holds"][0]["request_id"] == victim
+    assert all(t["name"] != "done->released" for t in data["slowest_transitions"])

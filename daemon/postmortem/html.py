@@ -202,12 +202,18 @@ def _anomaly_tables(analysis: Analysis, link: _Links) -> str:
         ),
         (
             "slowest",
-            "Slowest transitions",
+            "Slowest transitions (daemon time; engine holds below)",
             ["ms", "node", "transition", "request", "at"],
             [
                 (ms(x.seconds), _e(x.node), _e(x.name), link(x.key), _e(t(x.at)))
                 for x in analysis.slowest
             ],
+        ),
+        (
+            "holds",
+            "Longest engine holds (done->released: the engine kept its blocks)",
+            ["ms", "node", "request", "released at"],
+            [(ms(x.seconds), _e(x.node), link(x.key), _e(t(x.at))) for x in analysis.longest_holds],
         ),
         (
             "restarts",

@@ -72,11 +72,20 @@ def render_replay(analysis: Analysis, out: TextIO, *, limit: int = 20) -> None:
     )
     _section(
         w,
-        "slowest transitions",
+        "slowest transitions (daemon time; engine holds below)",
         ["ms", "node", "transition", "request", "at"],
         [
             (ms(t.seconds), t.node, t.name, key_text(t.key), format_time(t.at))
             for t in analysis.slowest
+        ],
+    )
+    _section(
+        w,
+        "longest engine holds (done->released: the engine kept its blocks)",
+        ["ms", "node", "request", "released at"],
+        [
+            (ms(t.seconds), t.node, key_text(t.key), format_time(t.at))
+            for t in analysis.longest_holds
         ],
     )
     _section(
