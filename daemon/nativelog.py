@@ -59,6 +59,16 @@ _PY_LEVELS: Final = {
 _ABSL_LEVELS: Final = {"F": "critical", "E": "error", "W": "warning", "I": "info"}
 
 
+# The libraries whose lines this module names. Their errors (a transfer to
+# a peer that just died) are reports the daemon acts on, not the daemon's own.
+LIBRARY_LOGGERS: Final = ("nixl", "ucx")
+
+
+def from_library(line: str) -> bool:
+    """Whether a rendered log line is NIXL's or UCX's, wrapped here."""
+    return any(f'"logger": "{name}"' in line for name in LIBRARY_LOGGERS)
+
+
 def parse(line: str) -> dict[str, Any]:
     """One line of native output as log fields: logger, level, source, event."""
     if m := _UCX.match(line):

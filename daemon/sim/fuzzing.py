@@ -63,6 +63,7 @@ from daemon.framing import FrameEncoder, frame_bytes
 from daemon.journal.format import FRAME_OVERHEAD, HEADER_SIZE, JournalError
 from daemon.journal.replay import ReplayError, replay
 from daemon.journal.writer import FsyncPolicy, Journal
+from daemon.nativelog import from_library
 from daemon.node.ledger import Ledger
 from daemon.node.peerauth import NONCE_BYTES, PREAUTH_FRAME_BYTES
 from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
@@ -397,7 +398,7 @@ def error_log_lines(daemon: Daemon) -> list[str]:
     return [
         line
         for line in daemon.logs().splitlines()
-        if '"level": "error"' in line or '"level": "critical"' in line
+        if ('"level": "error"' in line or '"level": "critical"' in line) and not from_library(line)
     ]
 
 
