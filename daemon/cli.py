@@ -60,7 +60,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         config = msgspec.structs.replace(
             config, journal=msgspec.structs.replace(config.journal, dir=args.journal_dir)
         )
-    configure(config.log_level)
+    configure(config.log_level, node=config.node, capture_native=True)
     from daemon.service import run
 
     try:
@@ -68,6 +68,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     except StartupError as exc:
         print(f"kvpushd: cannot start: {exc}", file=sys.stderr)
         return EXIT_STARTUP
+
+
+RUN_EXIT_CODES = """\
+exit codes:
+  0  stopped on SIGTERM or SIGINT, in-flight writes drained, the journal durable
+  2  cannot start: the configuration or what it names is unusable (one line says why)
+  3  a journal write or fdatasync failed; the next start replays to the last durable record
+"""
 
 
 # --- `kvpushd status` (daemon/ops/status.py) --------------------------------
@@ -110,17 +118,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo_main(args)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvpushd")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvpushd",
         description="Push KV-cache blocks from prefill to decode engines with NIXL WRITEs.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser(
         "run",
         help="run the daemon",
-        epilog=RUN_DEFAULTS,
+        epilog=RUN_DEFAULTS + "\n" + RUN_EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.add_argument("--config", type=Path, help="TOML config file (defaults work without one)")
@@ -128,7 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--socket", help="override the engine socket path")
     run.add_argument("--journal-dir", help="override the journal directory")
     run.add_argument("--listen", help="override the peer listen address (host:port, '' for none)")
-    run.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    run.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        help="override log_level (debug logs every transition)",
+    )
     run.set_defaults(func=cmd_run)
     add_status_parser(sub)
 

@@ -39,6 +39,7 @@ import errno
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -232,4 +233,13 @@ def _say(point: Failpoint, n: int) -> None:
     line = {"event": "failpoint", "failpoint": point.name, "action": point.action, "hit": n}
     line |= {"level": "critical", "pid": os.getpid()}
     # os.write, not print(): nothing buffered may be lost to the SIGKILL.
-    os.write(2, (json.dumps(line) + "\n").encode())
+    # sys.stderr's descriptor, not 2: under `kvpushd run` descriptor 2 feeds
+    # daemon.nativelog's child, which might write the line after the crash.
+    os.write(_stderr_fd(), (json.dumps(line) + "\n").encode())
+
+
+def _stderr_fd() -> int:
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, ValueError, OSError):
+        return 2

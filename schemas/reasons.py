@@ -44,3 +44,60 @@ class Reason(enum.StrEnum):
     TRANSFER_ERROR = "transfer_error"
     DAEMON_RESTART = "daemon_restart"
     REFUSED_BY_PEER = "refused_by_peer"
+
+
+# Which reasons each journaled event can carry, for the metric families that
+# count them by reason (a series for a reason that cannot occur there would
+# read as a promise that it might). tests/test_metrics.py checks these against
+# the core's raise sites.
+
+# A Refused record: the registration checks, a peer not connected, the trim,
+# a message in the wrong state, and a daemon that is draining.
+REFUSAL_REASONS: frozenset[Reason] = frozenset(
+    {
+        Reason.UNKNOWN_ENGINE,
+        Reason.DUPLICATE_REQUEST,
+        Reason.STALE_INCARNATION,
+        Reason.UNKNOWN_REQUEST,
+        Reason.BLOCKS_OWNED,
+        Reason.BLOCK_OUT_OF_RANGE,
+        Reason.DUPLICATE_BLOCK,
+        Reason.GROUP_COUNT_MISMATCH,
+        Reason.ROLE_MISMATCH,
+        Reason.ENGINE_IN_USE,
+        Reason.PEER_UNREACHABLE,
+        Reason.PEER_DEAD,
+        Reason.DAEMON_RESTART,
+        Reason.DECODE_LONGER_THAN_PREFILL,
+        Reason.SSM_COUNT_MISMATCH,
+        Reason.RATIO_PADDING_EXCEEDED,
+        Reason.BLOCK_COUNT_MISMATCH,
+        Reason.ILLEGAL_TRANSITION,
+    }
+)
+
+# A Failed record: the failures of a live request, a trim refusal (it fails
+# the pusher's request), and on the receiver whatever the pusher reports in
+# its WriteFailed, which includes its refusals of the forwarded registration.
+FAILURE_REASONS: frozenset[Reason] = frozenset(
+    {
+        Reason.ABORTED,
+        Reason.CANCELLED_BY_PEER,
+        Reason.DEADLINE_EXCEEDED,
+        Reason.PEER_DEAD,
+        Reason.TRANSFER_ERROR,
+        Reason.DAEMON_RESTART,
+        Reason.REFUSED_BY_PEER,
+        Reason.UNKNOWN_ENGINE,
+        Reason.GROUP_COUNT_MISMATCH,
+        Reason.DECODE_LONGER_THAN_PREFILL,
+        Reason.SSM_COUNT_MISMATCH,
+        Reason.RATIO_PADDING_EXCEEDED,
+        Reason.BLOCK_COUNT_MISMATCH,
+        Reason.ROLE_MISMATCH,
+        Reason.DUPLICATE_REQUEST,
+        Reason.STALE_INCARNATION,
+        Reason.BLOCK_OUT_OF_RANGE,
+        Reason.ILLEGAL_TRANSITION,
+    }
+)

@@ -6,6 +6,7 @@ two scrapes rather than absolute values.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import time
 import urllib.error
@@ -26,8 +27,9 @@ from daemon.sim.launcher import Daemon, free_port
 from schemas import rpc
 from schemas.events import DaemonStarted, Failed, Released
 from schemas.layout import Role
-from schemas.reasons import Reason
+from schemas.reasons import FAILURE_REASONS, REFUSAL_REASONS, Reason
 from schemas.state import RequestRecord, State
+from tests.support import REPO
 
 LAYOUT = [
     SimGroup(num_blocks=256, block_bytes=4096, layers=2),
@@ -135,12 +137,12 @@ async def test_pushes_move_transfer_counters_bytes_and_histograms(pair):
     assert delta(p0, p1, "kvpushd_transfers_started_total") == 3
     assert delta(p0, p1, "kvpushd_transfers_completed_total") == 3
     assert delta(p0, p1, "kvpushd_transfers_failed_total") == 0
-    assert delta(p0, p1, "kvpushd_bytes_written_total") == expected
+    assert delta(p0, p1, "kvpushd_written_bytes_total") == expected
     assert delta(p0, p1, "kvpushd_transfer_seconds_count") == 3
     assert delta(p0, p1, "kvpushd_transfer_seconds_sum") > 0
     # The node's own counters agree with what the observer saw in the journal.
     counters = prefill.status()["counters"]
-    assert value(p1, "kvpushd_bytes_written_total") == counters["bytes_written"]
+    assert value(p1, "kvpushd_written_bytes_total") == counters["bytes_written"]
     assert value(p1, "kvpushd_transfers_completed_total") == counters["writes_done"]
     # Each pusher request left registered, trimmed, writing and done once.
     for state in ("registered", "trimmed", "writing", "done"):
@@ -180,6 +182,68 @@ async def test_trim_refusal_counts_refusal_and_failure(pair):
     assert delta(p0, p1, "kvpushd_transfers_started_total") == 0
     # Labels exist from the start, so other reasons read zero, not absent.
     assert ("kvpushd_refusals_total", (("reason", "peer_dead"),)) in p1
+
+
+def _labels(samples: Samples, name: str, label: str) -> set[str]:
+    return {dict(labels)[label] for (n, labels), _ in samples.items() if n == name}
+
+
+def test_metric_names_follow_prometheus_conventions(pair):
+    samples = pair[0].scrape()
+    names = {name for name, _ in samples}
+    # The standard process collector names, once; no private copies of them.
+    for name in ("process_start_time_seconds", "process_cpu_seconds_total", "process_open_fds"):
+        assert name in names, name
+    assert not [n for n in names if n.startswith("kvpushd_process_")]
+    assert [n for n in names if n.endswith("start_time_seconds")] == ["process_start_time_seconds"]
+    # Units last.
+    assert "kvpushd_written_bytes_total" in names
+    assert "kvpushd_bytes_written_total" not in names
+    # A reason appears only on the family that can see it.
+    refusals = _labels(samples, "kvpushd_refusals_total", "reason")
+    failures = _labels(samples, "kvpushd_failures_total", "reason")
+    assert refusals == {r.value for r in REFUSAL_REASONS}
+    assert failures == {r.value for r in FAILURE_REASONS}
+    for never_refused in ("transfer_error", "aborted", "deadline_exceeded", "release_deferred"):
+        assert never_refused not in refusals
+    for never_failed in ("blocks_owned", "peer_unreachable", "release_deferred"):
+        assert never_failed not in failures
+
+
+def _reasons_in_calls(names: set[str]) -> set[Reason]:
+    """The Reason.X literals passed to calls of ``names`` anywhere in the core or the runtime."""
+    found: set[Reason] = set()
+    for path in [*(REPO / "statemachine").glob("*.py"), *(REPO / "daemon" / "node").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            called = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+            if called not in names:
+                continue
+            for arg in ast.walk(node):
+                if (
+                    isinstance(arg, ast.Attribute)
+                    and isinstance(arg.value, ast.Name)
+                    and arg.value.id == "Reason"
+                ):
+                    found.add(Reason[arg.attr])
+    return found
+
+
+def test_reason_sets_cover_every_raise_site():
+    # What the core and runtime refuse with is journaled as Refused; what they
+    # fail a request with (a Why) as Failed. A new reason raised somewhere
+    # must be added to its set, or its series would be missing until it occurs.
+    refused = _reasons_in_calls({"Refusal", "TrimRefused", "_refuse"})
+    assert refused, "the scan found no refusals"
+    assert refused | {Reason.ILLEGAL_TRANSITION} <= REFUSAL_REASONS, refused - REFUSAL_REASONS
+    failed = _reasons_in_calls({"Why"})
+    assert failed <= FAILURE_REASONS, failed - FAILURE_REASONS
+    # A trim refusal fails the pusher's request, and a receiver fails with the
+    # reason the pusher refused its forwarded registration with.
+    trim = _reasons_in_calls({"TrimRefused", "_refuse"})
+    assert trim <= FAILURE_REASONS, trim - FAILURE_REASONS
 
 
 async def test_live_requests_gauge_matches_status(pair):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -596,3 +597,48 @@ def test_journal_with_a_snapshot(tmp_path):
     assert carried.summary.label == "released after done"
     assert carried.steps[0].before == "registered" and carried.steps[0].after == "trimmed"
     assert analysis.gaps == [] and analysis.rejected == []
+
+
+def test_engine_holds_are_listed_apart_from_daemon_time(demo, tmp_path):
+    records = _records(demo["prefill"])
+    victim = _delivered(records)[-1]
+    # Its engine kept the blocks 5 s after done: every record from its release
+    # on is later (other requests done by then are held longer too).
+    at = next(
+        i for i, r in enumerate(records) if _rid(r) == victim and isinstance(r.event, Released)
+    )
+    held = records[:at] + [msgspec.structs.replace(r, ts=r.ts + 5.0) for r in records[at:]]
+    copy = _write(tmp_path / "prefill", held)
+    merged = merge(load([copy]))
+    analysis = analyse(merged, resolve_filters(FilterSpec(), merged), top=REQUESTS * 10)
+    holds = {t.key: t.seconds for t in analysis.longest_holds}
+    assert holds[(victim, 1)] >= 5.0
+    assert {t.name for t in analysis.longest_holds} == {"done->released"}
+    assert "done->released" not in {t.name for t in analysis.slowest}
+    assert analysis.slowest, "the daemon's own transitions are still listed"
+    text = _kvpushd("journal", "replay", copy, "--top", REQUESTS * 10).stdout
+    section = text[text.index("longest engine holds") :].split("\n\n")[0]
+    assert f"{victim}#1" in section
+    data = _replay_json(copy, "--top", REQUESTS * 10)
+    assert victim in {t["request_id"] for t in data["longest_engine_holds"]}
+    assert all(t["name"] != "done->released" for t in data["slowest_transitions"])
+
+
+def test_report_and_cli_name_the_same_zone(demo, tmp_path):
+    # A zone that is neither UTC nor whole hours (POSIX TZ: no tz database needed).
+    india = {**os.environ, "TZ": "IST-5:30"}
+    journals = (demo["prefill"], demo["decode"])
+    text = _kvpushd("journal", "replay", *journals, env=india).stdout
+    assert "times in IST (UTC+05:30), " in text
+    html_path = tmp_path / "r.html"
+    done = _kvpushd("journal", "report", *journals, "-o", html_path, env=india)
+    assert done.returncode == 0, done.stderr
+    html = html_path.read_text()
+    assert "times in IST (UTC+05:30), " in html
+    assert re.search(r'"utcOffset":\s*19800\b', html)  # the chart's clock: the same zone
+    # The first record of the prefill journal reads the same in both.
+    first = next(line for line in text.splitlines() if line.lstrip().startswith("prefill "))
+    first = first.split()
+    assert f"{first[4]} {first[5]}" in html
+    utc = _kvpushd("journal", "replay", *journals).stdout
+    assert "times in UTC, " in utc

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from typing import Final
 
 from schemas.events import Failed, Record, Refused, Registered
 from schemas.state import RequestRecord, State
@@ -55,12 +56,38 @@ class JournalStats:
         else:
             self._last[rid] = (touched.state, record.ts)
 
+    def reached_rows(self) -> list[tuple[str, int]]:
+        """(state, requests that reached it), in lifecycle order."""
+        return sorted(self.reached.items(), key=lambda item: _lifecycle_rank(item[0]))
+
     def latency_table(self) -> list[tuple[str, int, float, float, float]]:
-        """(transition, count, p50, p99, max) in seconds, sorted by transition."""
+        """(transition, count, p50, p99, max) in seconds, in lifecycle order."""
         rows = []
-        for name, values in sorted(self.transitions.items()):
+        for name, values in sorted(self.transitions.items(), key=_transition_rank):
             values.sort()
             rows.append(
                 (name, len(values), percentile(values, 50), percentile(values, 99), values[-1])
             )
         return rows
+
+
+# The order a request lives through its states (State's own order puts
+# released before failed); operators read tables top to bottom in it.
+LIFECYCLE: Final = (
+    State.REGISTERED,
+    State.TRIMMED,
+    State.WRITING,
+    State.DONE,
+    State.FAILED,
+    State.RELEASED,
+)
+
+
+def _lifecycle_rank(state: str) -> int:
+    values = [s.value for s in LIFECYCLE]
+    return values.index(state) if state in values else len(values)
+
+
+def _transition_rank(item: tuple[str, object]) -> tuple[int, int]:
+    before, _, after = item[0].partition("->")
+    return _lifecycle_rank(before), _lifecycle_rank(after)

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import typing
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import structlog
 from prometheus_client import (
@@ -48,7 +48,7 @@ from schemas.events import (
     WriteStarted,
 )
 from schemas.layout import Role
-from schemas.reasons import Reason
+from schemas.reasons import FAILURE_REASONS, REFUSAL_REASONS, Reason
 from schemas.state import RequestRecord, State
 
 log = structlog.get_logger("kvpushd.metrics")
@@ -89,6 +89,22 @@ class _Write(NamedTuple):
     nbytes: int
 
 
+class _ByReason(dict[Reason, Any]):
+    """Children per reason, made up front for the reasons the family can see.
+
+    A reason outside that set still counts (its child is made on first use):
+    the journal is the truth, the set only decides which zeros are exported.
+    """
+
+    def __init__(self, family: Counter, reasons: Iterable[Reason]) -> None:
+        super().__init__({r: family.labels(r.value) for r in sorted(reasons)})
+        self._family = family
+
+    def __missing__(self, reason: Reason) -> Any:
+        child = self[reason] = self._family.labels(reason.value)
+        return child
+
+
 def _event_tag(kind: type) -> str:
     return str(kind.__struct_config__.tag)  # type: ignore[attr-defined]
 
@@ -107,7 +123,9 @@ class NodeMetrics:
         disable_created_metrics()
         self._build()
         self.registry.register(_NodeCollector(node))
-        ProcessCollector(namespace=NAMESPACE, registry=self.registry)
+        # Unprefixed: dashboards and alerts expect the standard process_* names,
+        # and its process_start_time_seconds is the one start-time metric.
+        ProcessCollector(registry=self.registry)
         # Attached before start() so replay-time events (restart failures,
         # detaches) are counted like any other.
         node.observers.append(self.observe)
@@ -129,7 +147,7 @@ class NodeMetrics:
         self.transfers_started = c("transfers_started", "Pushes started (WriteStarted, pusher).")
         self.transfers_completed = c("transfers_completed", "Pushes done (WriteDone, pusher).")
         self.transfers_failed = c("transfers_failed", "Pushes that failed while writing.")
-        self.bytes_written = c("bytes_written", "Bytes pushed by completed NIXL WRITEs.")
+        self.written_bytes = c("written_bytes", "Bytes pushed by completed NIXL WRITEs.")
         self.kv_arrived = c("kv_arrived", "Receiver requests whose KV arrived (WriteDone).")
         refusals = c("refusals", "Journaled refusals (Refused events).", ["reason"])
         failures = c("failures", "Requests failed (Failed events).", ["reason"])
@@ -143,8 +161,8 @@ class NodeMetrics:
         # Children resolved once: labels() costs microseconds per call, and
         # the observer runs for every journal record. Creating them up front
         # also exports zeros, so rate() works from the first scrape.
-        self._refusals = {r: refusals.labels(r.value) for r in Reason}
-        self._failures = {r: failures.labels(r.value) for r in Reason}
+        self._refusals = _ByReason(refusals, REFUSAL_REASONS)
+        self._failures = _ByReason(failures, FAILURE_REASONS)
         self._appends = {k: appends.labels(_event_tag(k)) for k in typing.get_args(Event)}
         self._state_seconds = {s: states.labels(s.value) for s in LIVE_STATES}
 
@@ -208,7 +226,7 @@ class NodeMetrics:
             write = self._writes.pop(rid, None)
             if write is not None:
                 self.transfer_seconds.observe(max(0.0, ts - write.started_at))
-                self.bytes_written.inc(write.nbytes)
+                self.written_bytes.inc(write.nbytes)
         elif isinstance(event, Failed) and before is not None and before.state is State.WRITING:
             self.transfers_failed.inc()
             self._writes.pop(rid, None)
@@ -313,7 +331,6 @@ class _NodeCollector(Collector):
         )
         info.add_metric([node.config.node, VERSION, node.boot_id], 1)
         yield info
-        yield self._gauge("start_time_seconds", "Unix time the node started.", node.started_at)
 
     def _requests(self) -> Iterable[Metric]:
         node = self.node

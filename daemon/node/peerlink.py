@@ -845,7 +845,12 @@ class PeerManager:
         if not link.announced:
             return
         link.announced = False
-        self._log.info("peer_down", peer=link.node, boot_id=link.boot_id, reason=reason)
+        # One line per link that goes down (peers.py logs none): quiet when the
+        # link was meant to end, a warning when the peer was lost.
+        quiet = reason.removeprefix("peer:") in (LinkReason.IDLE, LinkReason.SHUTDOWN)
+        (self._log.info if quiet else self._log.warning)(
+            "peer_down", peer=link.node, boot_id=link.boot_id, reason=reason
+        )
         try:
             self._on_down(link.node, reason)
         except Exception:

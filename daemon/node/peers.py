@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from daemon.dataplane.plane import DataPlaneError
-from daemon.node.peerauth import LinkReason, PeerRejected, PeerUnreachable
+from daemon.node.peerauth import PeerRejected, PeerUnreachable
 from daemon.node.serializer import KeyedSerializer
 from schemas import peer as pm
 from schemas.events import Refused
@@ -175,7 +175,8 @@ class Peers:
         for engine in hello.engines:
             await dataplane.add_remote_engine(state.agent_name, engine)
             state.engines[engine.engine_id] = engine
-        log.info("peer up", peer=node, boot_id=hello.boot_id, engines=len(hello.engines))
+        # The link's own "peer_up" line (peerlink) is the one an operator reads.
+        log.debug("peer_engines", peer=node, engines=len(hello.engines))
         if not self.is_configured(node):
             # On demand: no windows until now. Open them and tell the peer
             # (Engines), before anything said about a request on this link.
@@ -219,8 +220,6 @@ class Peers:
     async def peer_down(self, node: str, reason: str) -> None:
         """A peer is dead (TTL, disconnect): fence it, fail what depended on it."""
         own = self.node
-        idle = reason in (LinkReason.IDLE, f"peer:{LinkReason.IDLE}")
-        (log.info if idle else log.warning)("peer down", peer=node, reason=reason)
         await own.windows.fence(node)
         why = Why(Reason.PEER_DEAD, f"peer {node} is dead ({reason})")
         for listed in list(own.registry.live.values()):

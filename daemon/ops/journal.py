@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 import msgspec
@@ -74,11 +75,22 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_CLEAN
 
 
+def iso_utc(ts: float) -> str:
+    """``2026-11-30T02:20:53.884737Z``: what an operator compares with other logs."""
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def _value(value: object) -> str:
+    # Enums as their values and nested structs as JSON, never Python reprs.
+    return value if isinstance(value, str) else msgspec.json.encode(value).decode()
+
+
 def _show_line(record: Record) -> str:
-    body = msgspec.structs.asdict(record.event)
-    fields = " ".join(f"{k}={v}" for k, v in body.items())
+    body = msgspec.to_builtins(msgspec.structs.asdict(record.event))
+    fields = " ".join(f"{k}={_value(v)}" for k, v in body.items())
     return (
-        f"{record.seq:>10}  {record.ts:.6f}  {record.node}  {type(record.event).__name__}  {fields}"
+        f"{record.seq:>10}  {iso_utc(record.ts)}  {record.node}  "
+        f"{type(record.event).__name__}  {fields}"
     )
 
 
@@ -95,6 +107,7 @@ def cmd_show(args: argparse.Namespace) -> int:
                     {
                         "seq": record.seq,
                         "ts": record.ts,
+                        "time": iso_utc(record.ts),
                         "node": record.node,
                         "event": type(record.event).__name__,
                         **msgspec.structs.asdict(record.event),
@@ -146,7 +159,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         f"{result.records} records, last seq {result.last_seq}, "
         f"{len(result.registry.live)} live requests\n"
     )
-    print(table(["state reached", "requests"], sorted(stats.reached.items())))
+    print(table(["state reached", "requests"], stats.reached_rows()))
     print()
     print(table(["refusal reason", "count"], sorted(stats.refusals.items()) or [("-", 0)]))
     print()
@@ -157,25 +170,30 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return EXIT_CLEAN
 
 
+_PATH_HELP = "the node's journal directory (journal.dir) or one segment file"
+
+
 def add_parsers(jsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``verify``, ``show`` and ``stats`` under ``kvpushd journal``."""
     verify = jsub.add_parser(
         "verify", help="check a journal: exit 0 clean, 1 torn tail only, 2 corrupt"
     )
-    verify.add_argument("path", type=Path)
+    verify.add_argument("path", type=Path, help=_PATH_HELP)
     verify.add_argument(
         "--salvage", action="store_true", help="read past damage and list it instead of stopping"
     )
     verify.set_defaults(func=cmd_verify)
 
     show = jsub.add_parser("show", help="print events, optionally of one request")
-    show.add_argument("path", type=Path)
+    show.add_argument("path", type=Path, help=_PATH_HELP)
     show.add_argument("--request", help="only events of this request id")
     show.add_argument("--json", action="store_true", help="one JSON object per line")
     show.set_defaults(func=cmd_show)
 
     stats = jsub.add_parser("stats", help="counts per state and reason, transition latencies")
-    stats.add_argument("path", type=Path)
-    stats.add_argument("--json", action="store_true")
-    stats.add_argument("--salvage", action="store_true")
+    stats.add_argument("path", type=Path, help=_PATH_HELP)
+    stats.add_argument("--json", action="store_true", help="print the counts as one JSON object")
+    stats.add_argument(
+        "--salvage", action="store_true", help="read past damage instead of stopping at it"
+    )
     stats.set_defaults(func=cmd_stats)

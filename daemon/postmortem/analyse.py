@@ -217,7 +217,8 @@ class Analysis:
     refusals: list[RefusalSummary]
     never_released: list[Stuck]
     disagreements: list[Disagreement]
-    slowest: list[Transition]
+    slowest: list[Transition]  # the daemons' time: every transition but done->released
+    longest_holds: list[Transition]  # done->released: the engine held its blocks
     latency: list[LatencyRow]
     gaps: list[SeqGap]
     torn: list[TornTail]
@@ -245,7 +246,8 @@ def analyse(merged: Merged, filters: Filters | None = None, *, top: int = 10) ->
         refusals=_refusals(merged, mask, filters),
         never_released=_never_released(merged, selected, table),
         disagreements=_disagreements(merged, selected),
-        slowest=_slowest(merged, table, mask, top),
+        slowest=_slowest(merged, table, mask, top, engine_hold=False),
+        longest_holds=_slowest(merged, table, mask, top, engine_hold=True),
         latency=_latency(merged, table, mask),
         gaps=[
             g
@@ -378,9 +380,20 @@ def _transition_name(frm: int, to: int) -> str:
 
 
 def _slowest(
-    merged: Merged, table: _TransitionTable, mask: npt.NDArray[np.bool_], top: int
+    merged: Merged,
+    table: _TransitionTable,
+    mask: npt.NDArray[np.bool_],
+    top: int,
+    *,
+    engine_hold: bool,
 ) -> list[Transition]:
-    picks = np.flatnonzero(mask[table.req])
+    """The longest transitions, either the engines' holds (done->released) or all others.
+
+    Apart because a done request waits for its engine's release, which may
+    take seconds by design; mixed in, those holds hide the daemon's slow steps.
+    """
+    hold = (table.frm == S_DONE) & (table.to == S_RELEASED)
+    picks = np.flatnonzero(mask[table.req] & (hold if engine_hold else ~hold))
     if not len(picks) or top <= 0:
         return []
     seconds = table.seconds[picks]

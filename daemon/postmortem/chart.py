@@ -90,6 +90,7 @@ def _anomalous(analysis: Analysis) -> list[RequestKey]:
     keys += [k for r in analysis.restarts for k, _ in r.failed]
     keys += [r.key for r in analysis.rejected if r.key is not None]
     keys += [t.key for t in analysis.slowest]
+    keys += [t.key for t in analysis.longest_holds]
     keys += [o.key for r in analysis.refusals for o in (r.first, r.last) if o.key is not None]
     merged = analysis.merged
     failed = analysis.selected[merged.req_outcome[analysis.selected] == S_FAILED]

@@ -53,7 +53,13 @@ exit codes: 0 done, 1 no request matched (timeline), 2 unreadable input or bad f
 
 
 def _add_common_arguments(parser: argparse.ArgumentParser, *, request_required: bool) -> None:
-    parser.add_argument("journals", type=Path, nargs="+", metavar="JOURNAL")
+    parser.add_argument(
+        "journals",
+        type=Path,
+        nargs="+",
+        metavar="JOURNAL",
+        help="a node's journal directory or segment file; give one per node",
+    )
     parser.add_argument(
         "--request", action="append", required=request_required, metavar="ID", help="request id"
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+from collections.abc import Iterable
 
 from daemon.postmortem.vocab import RequestKey
 
@@ -14,6 +15,27 @@ def format_time(ts: float, *, date: bool = False) -> str:
         return "-"
     moment = dt.datetime.fromtimestamp(ts).astimezone()
     return moment.strftime("%Y-%m-%d %H:%M:%S.%f" if date else "%H:%M:%S.%f")
+
+
+def zone_label(ts: float) -> str:
+    """The zone :func:`format_time` shows ``ts`` in: ``UTC``, or ``CET (UTC+01:00)``.
+
+    The text reports, the HTML header and the HTML chart (which shifts its
+    clock by the same offset) all name it through here, so they agree.
+    """
+    moment = dt.datetime.fromtimestamp(ts if math.isfinite(ts) else 0.0).astimezone()
+    offset = moment.utcoffset() or dt.timedelta(0)
+    if not offset:
+        return "UTC"
+    minutes = int(offset.total_seconds()) // 60
+    sign = "+" if minutes >= 0 else "-"
+    hours, mins = divmod(abs(minutes), 60)
+    return f"{moment.strftime('%Z')} (UTC{sign}{hours:02d}:{mins:02d})"
+
+
+def first_record_ts(node_first: Iterable[float]) -> float:
+    """The earliest record of any node: the instant a report reads its zone at."""
+    return min((float(t) for t in node_first), default=0.0)
 
 
 def key_text(key: RequestKey | None) -> str:

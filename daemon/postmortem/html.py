@@ -36,7 +36,14 @@ from daemon.postmortem.chart import (
     state_class,
     summary_class,
 )
-from daemon.postmortem.formatting import format_time, key_text, ms, seconds
+from daemon.postmortem.formatting import (
+    first_record_ts,
+    format_time,
+    key_text,
+    ms,
+    seconds,
+    zone_label,
+)
 from daemon.postmortem.html_assets import CSS, SCRIPT
 from daemon.postmortem.merge import Merged
 from daemon.postmortem.timeline import Timeline, timeline
@@ -92,7 +99,8 @@ def _header(analysis: Analysis) -> str:
     return (
         "<header><h1>kvpushd postmortem</h1>"
         f'<p class="meta">{len(analysis.selected)} of {merged.requests} requests '
-        f"({_e(scope)}); times in local time, {_e(merged.clocks.reference)}'s clock</p>"
+        f"({_e(scope)}); times in {_e(zone_label(first_record_ts(merged.node_first)))}, "
+        f"{_e(merged.clocks.reference)}'s clock</p>"
         + _table(["node", "records", "seq", "first", "last", "journal"], rows, css="journals")
         + f'<ul class="clocks">{clocks}</ul></header>'
     )
@@ -202,12 +210,18 @@ def _anomaly_tables(analysis: Analysis, link: _Links) -> str:
         ),
         (
             "slowest",
-            "Slowest transitions",
+            "Slowest transitions (daemon time; engine holds below)",
             ["ms", "node", "transition", "request", "at"],
             [
                 (ms(x.seconds), _e(x.node), _e(x.name), link(x.key), _e(t(x.at)))
                 for x in analysis.slowest
             ],
+        ),
+        (
+            "holds",
+            "Longest engine holds (done->released: the engine kept its blocks)",
+            ["ms", "node", "request", "released at"],
+            [(ms(x.seconds), _e(x.node), link(x.key), _e(t(x.at))) for x in analysis.longest_holds],
         ),
         (
             "restarts",

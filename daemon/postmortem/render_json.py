@@ -66,6 +66,7 @@ def replay_json(analysis: Analysis) -> dict[str, Any]:
         "never_released": [_jsonable(s) for s in analysis.never_released],
         "disagreements": [_jsonable(d) for d in analysis.disagreements],
         "slowest_transitions": [_jsonable(t) for t in analysis.slowest],
+        "longest_engine_holds": [_jsonable(t) for t in analysis.longest_holds],
         "latency": [_jsonable(row) for row in analysis.latency],
         "latency_histogram_edges_s": [float(e) for e in HIST_EDGES],
         "restarts": [_jsonable(r) for r in analysis.restarts],

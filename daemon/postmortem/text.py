@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-import datetime as dt
 import textwrap
 from collections.abc import Callable, Sequence
 from typing import TextIO, TypeVar
 
 from daemon.ops import texttable
 from daemon.postmortem.analyse import Analysis, Occurrence, Side
-from daemon.postmortem.formatting import format_time, key_text, ms, seconds, signed_ms
+from daemon.postmortem.formatting import (
+    first_record_ts,
+    format_time,
+    key_text,
+    ms,
+    seconds,
+    signed_ms,
+    zone_label,
+)
 from daemon.postmortem.merge import Merged
 from daemon.postmortem.timeline import Timeline
 from daemon.postmortem.vocab import K_DAEMON_STARTED, KIND_NAMES
@@ -39,9 +46,11 @@ def render_replay(analysis: Analysis, out: TextIO, *, limit: int = 20) -> None:
     for line in merged.clocks.describe():
         w(textwrap.fill(line, 100, initial_indent="  ", subsequent_indent="    ") + "\n")
     scope = analysis.filters.describe()
+    zone = zone_label(first_record_ts(merged.node_first))
     w(
         f"\n{len(analysis.selected)} of {merged.requests} requests"
         + (f" ({scope})" if scope else "")
+        + f"; times in {zone}, {merged.clocks.reference}'s clock"
         + "\n"
     )
     _section(w, "requests by final state", ["final state", "requests"], analysis.by_final)
@@ -72,11 +81,20 @@ def render_replay(analysis: Analysis, out: TextIO, *, limit: int = 20) -> None:
     )
     _section(
         w,
-        "slowest transitions",
+        "slowest transitions (daemon time; engine holds below)",
         ["ms", "node", "transition", "request", "at"],
         [
             (ms(t.seconds), t.node, t.name, key_text(t.key), format_time(t.at))
             for t in analysis.slowest
+        ],
+    )
+    _section(
+        w,
+        "longest engine holds (done->released: the engine kept its blocks)",
+        ["ms", "node", "request", "released at"],
+        [
+            (ms(t.seconds), t.node, key_text(t.key), format_time(t.at))
+            for t in analysis.longest_holds
         ],
     )
     _section(
@@ -190,7 +208,7 @@ def render_timeline(item: Timeline, merged: Merged, out: TextIO) -> None:
     w(f"{key_text(summary.key)}: {summary.label}  [{sides}]\n")
     if item.steps:
         day = format_time(item.steps[0].ts, date=True).split(" ")[0]
-        zone = dt.datetime.fromtimestamp(item.steps[0].ts).astimezone().strftime("%Z")
+        zone = zone_label(item.steps[0].ts)
         w(f"times: {day} {zone}, {merged.clocks.reference}'s clock")
         shifted = [f"{n} {signed_ms(-o)}" for n, o in merged.clocks.offsets.items() if o]
         w(f" (corrected: {', '.join(shifted)})\n" if shifted else "\n")

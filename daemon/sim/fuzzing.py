@@ -63,6 +63,7 @@ from daemon.framing import FrameEncoder, frame_bytes
 from daemon.journal.format import FRAME_OVERHEAD, HEADER_SIZE, JournalError
 from daemon.journal.replay import ReplayError, replay
 from daemon.journal.writer import FsyncPolicy, Journal
+from daemon.nativelog import from_library
 from daemon.node.ledger import Ledger
 from daemon.node.peerauth import NONCE_BYTES, PREAUTH_FRAME_BYTES
 from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
@@ -305,7 +306,7 @@ def status_view(status: dict) -> RegistryView:
 
 
 def journal_view(daemon: Daemon) -> RegistryView:
-    """The registry a replay of the daemon's journal rebuilds (DESIGN invariant 8)."""
+    """The registry a replay of the daemon's journal rebuilds (ARCHITECTURE.md, invariant 8)."""
     registry = replay(daemon.journal).registry
     requests = frozenset(
         (r.request_id, r.incarnation, r.state.value) for r in registry.live.values()
@@ -397,7 +398,7 @@ def error_log_lines(daemon: Daemon) -> list[str]:
     return [
         line
         for line in daemon.logs().splitlines()
-        if '"level": "error"' in line or '"level": "critical"' in line
+        if ('"level": "error"' in line or '"level": "critical"' in line) and not from_library(line)
     ]
 
 
