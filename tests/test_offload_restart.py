@@ -20,6 +20,7 @@ from typing import Final
 import numpy as np
 import pytest
 
+from daemon.cli import main
 from daemon.client import EngineClient, RpcError
 from daemon.dataplane.memory import create_shm_file
 from daemon.journal.reader import read_journal
@@ -89,7 +90,7 @@ async def wait_failed(client: EngineClient, request_id: str) -> rpc.RequestFaile
 
 @pytest.mark.parametrize("snapshots", [False, True], ids=["journal", "snapshot"])
 async def test_slots_held_before_kill_9_are_never_granted_again_until_released(
-    tmp_path: Path, engine: Engine, snapshots: bool
+    tmp_path: Path, engine: Engine, snapshots: bool, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # With a snapshot every two records the grants come back from the
     # snapshot as well as from the records after it.
@@ -174,6 +175,11 @@ async def test_slots_held_before_kill_9_are_never_granted_again_until_released(
             "d": (0, 1, 2, 3, 4),
             "e": tuple(range(SLOTS)),
         }
+        # The postmortem timeline shows a registration's slots.
+        capsys.readouterr()
+        assert main(["journal", "timeline", str(daemon.journal), "--request", "c"]) == 0
+        shown = capsys.readouterr().out
+        assert f"pusher on engine {engine.id}, offload slots 5,6,7" in shown
     result = replay(daemon.journal)
     assert not result.registry.live
     assert result.registry.slots_held(engine.id) == {}
