@@ -52,12 +52,18 @@ class EngineDetached(_Event, frozen=True, tag="engine_detached"):
 
 
 class Registered(_RequestEvent, frozen=True, tag="registered"):
-    """A local engine registered a request; ``blocks`` are kernel ids."""
+    """A local engine registered a request; ``blocks`` are kernel ids.
+
+    ``offload_slots`` are the slots of the engine's offload pool granted to
+    the request, held until it is released: journaled so that replay knows,
+    after a crash, which slots live requests still hold.
+    """
 
     role: Role
     engine_id: str
     peer: str
     blocks: Blocks
+    offload_slots: tuple[int, ...] = ()
 
 
 class PeerRegistered(_RequestEvent, frozen=True, tag="peer_registered"):

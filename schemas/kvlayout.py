@@ -55,11 +55,12 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     groups: tuple[GroupSpec, ...]
     regions: tuple[RegionSpec, ...]
 
-    def layout(self) -> EngineLayout:
-        """The part of the layout the core reasons about."""
+    def layout(self, offload_slots: int = 0) -> EngineLayout:
+        """The part of the layout the core reasons about (with the offload pool's size)."""
         return EngineLayout(
             self.engine_id,
             tuple(GroupLayout(g.kind, g.num_blocks, g.per_logical) for g in self.groups),
+            offload_slots,
         )
 
 

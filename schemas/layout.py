@@ -35,8 +35,15 @@ class GroupLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     per_logical: int = 1
 
 
-class EngineLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The groups of one engine, in group order."""
+class EngineLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """The groups of one engine, in group order, and the size of its offload pool.
+
+    ``offload_slots`` is how many offload slots the engine's pool has (0: no
+    pool); the core hands them out (``Registry.check_register``). Omitted
+    when 0, so layouts without a pool encode as they did before pools were
+    the core's.
+    """
 
     engine_id: str
     groups: tuple[GroupLayout, ...]
+    offload_slots: int = 0

@@ -25,6 +25,12 @@ class Reason(enum.StrEnum):
     # A receiver named its pusher's daemon by address (an on-demand peer) and
     # no authenticated link to it came up within peer_connect_timeout_s.
     PEER_UNREACHABLE = "peer_unreachable"
+    # Offload slots: too few free in the engine's pool (or it has none); a
+    # slot count below zero, or a journaled grant of a slot outside the pool,
+    # listed twice or held by another live request (journal damage: the core
+    # never grants one).
+    OFFLOAD_EXHAUSTED = "offload_exhausted"
+    BAD_SLOT = "bad_slot"
 
     # Trim refusals (the request fails before any byte is written).
     DECODE_LONGER_THAN_PREFILL = "decode_longer_than_prefill"

@@ -36,7 +36,9 @@ class RegisterEngine(_Request, frozen=True, tag="register_engine"):
     """Declare an engine's KV layout and share its memory with the daemon.
 
     ``offload`` optionally names a region of ``offload_slots`` equal slots the
-    daemon hands out per request and zeroes on release.
+    daemon hands out per request and zeroes on release. A request keeps its
+    slots until it is released, across a daemon restart too: an engine that
+    registers again while any are held must bring the same pool.
     """
 
     engine_id: str

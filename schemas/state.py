@@ -75,11 +75,17 @@ class PendingPeer(msgspec.Struct, frozen=True):
     received_at: float
 
 
-class RegistrySnapshot(msgspec.Struct, frozen=True):
-    """The whole registry as data: written to snapshots, compared in tests."""
+class RegistrySnapshot(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The whole registry as data: written to snapshots, compared in tests.
+
+    ``offload`` lists the offload slots each live request holds (request id,
+    slots), in grant order; omitted when none is held, so a registry without
+    grants encodes as it did before grants were journaled.
+    """
 
     last_seq: int
     engines: tuple[EngineLayout, ...]
     live: tuple[RequestRecord, ...]
     pending: tuple[PendingPeer, ...]
     tombstones: tuple[tuple[str, int], ...]
+    offload: tuple[tuple[str, tuple[int, ...]], ...] = ()

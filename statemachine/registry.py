@@ -14,13 +14,17 @@ Refusal rules enforced here:
   engine's declared range, a block listed twice;
 * a receiver's destination block already owned by another live request
   (invariant 1: one owner per destination block);
+* more offload slots than the engine's pool has free: slots are granted
+  here, lowest free index first, never one a live request holds, and the
+  grant is journaled in ``Registered``, so replay restores who holds which
+  slot after a crash (the shell zeroes a slot before it is granted again);
 * a release while a write may be in flight is deferred, never honoured
   (invariant 2).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Set
 from typing import Any
 
 from schemas.events import (
@@ -85,6 +89,11 @@ def validate_layout(layout: EngineLayout) -> None:
         raise Refusal(Reason.UNKNOWN_ENGINE, "engine id must not be empty")
     if not layout.groups:
         raise Refusal(Reason.GROUP_COUNT_MISMATCH, f"engine {layout.engine_id} declares no groups")
+    if layout.offload_slots < 0:
+        raise Refusal(
+            Reason.BAD_SLOT,
+            f"engine {layout.engine_id}: offload_slots must be >= 0, got {layout.offload_slots}",
+        )
     for g, group in enumerate(layout.groups):
         if group.num_blocks < 0 or group.per_logical < 1:
             raise Refusal(
@@ -163,6 +172,10 @@ class Registry:
         self.tombstones = Tombstones(tombstone_limit)
         # Destination-block ownership, receivers only: (engine, group) -> block -> request.
         self._owners: dict[_BlockKey, dict[int, str]] = {}
+        # Offload slots held by live requests, both ways: engine -> slot ->
+        # request, and request -> its slots (in grant order).
+        self._slot_holders: dict[str, dict[int, str]] = {}
+        self._granted: dict[str, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------ queries
 
@@ -174,6 +187,14 @@ class Registry:
 
     def owned_blocks(self) -> dict[_BlockKey, dict[int, str]]:
         return {key: dict(owners) for key, owners in self._owners.items() if owners}
+
+    def offload_slots(self, request_id: str) -> tuple[int, ...]:
+        """The offload slots a live request holds (none once it is released)."""
+        return self._granted.get(request_id, ())
+
+    def slots_held(self, engine_id: str) -> dict[int, str]:
+        """Slot -> live request holding it, for one engine's offload pool."""
+        return dict(self._slot_holders.get(engine_id, {}))
 
     def lookup(self, request_id: str, incarnation: int) -> RequestRecord:
         """The live record for exactly this incarnation, or a typed refusal."""
@@ -278,8 +299,15 @@ class Registry:
         engine_id: str,
         peer: str,
         logical_blocks: Sequence[Sequence[int]],
+        offload_slots: int = 0,
+        unavailable: Set[int] = frozenset(),
     ) -> Registered:
-        """Validate a local engine's registration; blocks are logical ids."""
+        """Validate a local engine's registration; blocks are logical ids.
+
+        ``offload_slots`` slots of the engine's offload pool are granted too
+        (:meth:`_grant`); ``unavailable`` are slots the shell cannot hand out
+        yet although no live request holds them (released, not yet zeroed).
+        """
         layout = self._engine(engine_id)
         self._check_new_key(request_id, incarnation)
         self._check_pending(request_id, incarnation, role)
@@ -293,10 +321,45 @@ class Registry:
             raise Refusal(Reason.BLOCK_OUT_OF_RANGE, f"request {request_id}: negative block id")
         _check_expansion_fits(layout, logical_blocks, request_id)
         event = Registered(
-            request_id, incarnation, role, engine_id, peer, expand_blocks(layout, logical_blocks)
+            request_id,
+            incarnation,
+            role,
+            engine_id,
+            peer,
+            expand_blocks(layout, logical_blocks),
+            self._grant(layout, request_id, offload_slots, unavailable) if offload_slots else (),
         )
         self._check_registered(event)
         return event
+
+    def _grant(
+        self, layout: EngineLayout, request_id: str, count: int, unavailable: Set[int]
+    ) -> tuple[int, ...]:
+        """``count`` free offload slots of the engine's pool, lowest index first.
+
+        Free means held by no live request (whatever the shell's pool says:
+        after a restart the shell's pool is new, the journal is not) and not
+        ``unavailable``. Lowest first keeps grants deterministic.
+        """
+        if count < 0:
+            raise Refusal(
+                Reason.BAD_SLOT, f"request {request_id}: offload_slots must be >= 0, got {count}"
+            )
+        engine_id, size = layout.engine_id, layout.offload_slots
+        if not size:
+            raise Refusal(
+                Reason.OFFLOAD_EXHAUSTED,
+                f"request {request_id}: engine {engine_id} has no offload pool",
+            )
+        held = self._slot_holders.get(engine_id, {})
+        free = [s for s in range(size) if s not in held and s not in unavailable]
+        if len(free) < count:
+            raise Refusal(
+                Reason.OFFLOAD_EXHAUSTED,
+                f"request {request_id}: {count} offload slots wanted, engine {engine_id} has "
+                f"{len(free)} free of {size} ({len(held)} held by live requests)",
+            )
+        return tuple(free[:count])
 
     def _check_registered(self, event: Registered) -> PendingPeer | None:
         """The checks of a registration in kernel blocks, live and in replay alike.
@@ -317,7 +380,34 @@ class Registry:
         check_blocks(layout, event.blocks, f"request {rid}")
         if role is RECEIVER:
             self._check_unowned(engine_id, event.blocks, rid)
+        if event.offload_slots:
+            self._check_slots(layout, event)
         return pending
+
+    def _check_slots(self, layout: EngineLayout, event: Registered) -> None:
+        """A journaled grant: slots of the pool, each once, none held by a live request.
+
+        Grants made by :meth:`_grant` always pass; replay runs this on every
+        journaled grant, so damage cannot make two live requests share a slot.
+        """
+        slots, rid, engine_id = event.offload_slots, event.request_id, event.engine_id
+        ordered = sorted(slots)
+        if ordered[0] < 0 or ordered[-1] >= layout.offload_slots:
+            raise Refusal(
+                Reason.BAD_SLOT,
+                f"request {rid}: offload slots {list(slots)} are not all in engine {engine_id}'s "
+                f"pool of {layout.offload_slots}",
+            )
+        if len(set(slots)) != len(slots):
+            raise Refusal(Reason.BAD_SLOT, f"request {rid}: an offload slot is listed twice")
+        held = self._slot_holders.get(engine_id)
+        if held and not held.keys().isdisjoint(slots):
+            slot = next(s for s in slots if s in held)
+            raise Refusal(
+                Reason.BAD_SLOT,
+                f"request {rid}: offload slot {slot} of engine {engine_id} is held by live "
+                f"request {held[slot]}",
+            )
 
     def check_peer_registration(
         self,
@@ -456,6 +546,8 @@ class Registry:
             rid, inc, event.role, event.engine_id, event.peer, REGISTERED, event.blocks, ts,
             ts + self.deadlines.registered,
         )  # fmt: skip
+        if event.offload_slots:
+            self._hold_slots(rid, event.engine_id, event.offload_slots)
         if event.role is RECEIVER:
             self._claim(record)
         elif pending is not None:
@@ -509,9 +601,25 @@ class Registry:
                 else:
                     owners.update(dict.fromkeys(ids, request_id))
 
+    def _hold_slots(self, request_id: str, engine_id: str, slots: tuple[int, ...]) -> None:
+        self._granted[request_id] = slots
+        holders = self._slot_holders.get(engine_id)
+        if holders is None:
+            self._slot_holders[engine_id] = dict.fromkeys(slots, request_id)
+        else:
+            holders.update(dict.fromkeys(slots, request_id))
+
     def _drop(self, record: RequestRecord) -> None:
         # Invariant 5: nothing about a released request survives but its tombstone.
         del self.live[record.request_id]
+        if self._granted:
+            slots = self._granted.pop(record.request_id, None)
+            if slots is not None:
+                holders = self._slot_holders[record.engine_id]
+                for slot in slots:
+                    del holders[slot]
+                if not holders:
+                    del self._slot_holders[record.engine_id]
         if record.role is RECEIVER:
             owned, engine_id = self._owners, record.engine_id
             for g, ids in enumerate(record.blocks):
@@ -533,6 +641,7 @@ class Registry:
             live=tuple(self.live.values()),
             pending=tuple(self.pending.values()),
             tombstones=tuple(self.tombstones),
+            offload=tuple(self._granted.items()),
         )
 
     @classmethod
@@ -551,6 +660,14 @@ class Registry:
             registry.live[record.request_id] = record
             if record.role is RECEIVER:
                 registry._claim(record)
+        for request_id, slots in snap.offload:
+            holder = registry.live.get(request_id)
+            if holder is None:
+                raise Refusal(
+                    Reason.BAD_SLOT,
+                    f"snapshot: request {request_id} holds offload slots but is not live",
+                )
+            registry._hold_slots(request_id, holder.engine_id, slots)
         return registry
 
 

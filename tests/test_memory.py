@@ -196,40 +196,39 @@ def test_pool_geometry_refusals(mapped: Callable[[int], MappedRegion]) -> None:
     assert info.value.code == "bad_slot"
 
 
-def test_pool_acquire_exhaustion_is_all_or_nothing(mapped: Callable[[int], MappedRegion]) -> None:
+def test_pool_take_is_all_or_nothing(mapped: Callable[[int], MappedRegion]) -> None:
     pool = OffloadPool(mapped(4096 * 4), 4)
-    assert pool.acquire(3) == (0, 1, 2)
-    with pytest.raises(RegionError) as info:
-        pool.acquire(2)
-    assert info.value.code == "offload_exhausted"
-    assert pool.free_count == 1
-    assert pool.acquire(0) == ()
-    assert pool.acquire(1) == (3,)
-    pool.release((1,))
-    assert pool.acquire(1) == (1,)  # lowest free first
+    pool.take((0, 2))
+    for bad in ((1, 2), (1, 1), (3, 4), (-1,)):  # busy, twice, out of range
+        with pytest.raises(RegionError) as info:
+            pool.take(bad)
+        assert info.value.code == "bad_slot"
+    assert set(pool.busy) == {0, 2} and pool.free_count == 2
+    pool.take(())
+    pool.take((1, 3))
+    assert pool.free_count == 0 and pool.used_count == 4
 
 
 def test_pool_release_zeroes_slots_and_nothing_else(mapped: Callable[[int], MappedRegion]) -> None:
     region = mapped(1024 * 4)
     pool = OffloadPool(region, 4)
-    slots = pool.acquire(4)
-    for s in slots:
+    pool.take(range(4))
+    for s in range(4):
         pool.slot_view(s)[:] = s + 1
     pool.release((0, 2))
     view = region.view()
     assert not view[0:1024].any() and not view[2048:3072].any()
     assert (view[1024:2048] == 2).all() and (view[3072:4096] == 4).all()  # still held
     assert pool.free_count == 2
-    # The next request gets a clean slot: no residue of the previous one.
-    (again,) = pool.acquire(1)
-    assert not pool.slot_view(again).any()
+    assert set(pool.busy) == {1, 3}
 
 
-def test_pool_release_of_unacquired_slot_raises_and_changes_nothing(
+def test_pool_release_of_a_free_slot_raises_and_changes_nothing(
     mapped: Callable[[int], MappedRegion],
 ) -> None:
     pool = OffloadPool(mapped(1024 * 4), 4)
-    (a, b) = pool.acquire(2)
+    a, b = 0, 1
+    pool.take((a, b))
     pool.slot_view(a)[:] = 9
     for bad in ((a, 3), (a, a), (7,)):
         with pytest.raises(RegionError) as info:
@@ -240,6 +239,27 @@ def test_pool_release_of_unacquired_slot_raises_and_changes_nothing(
     pool.release((a, b))
     with pytest.raises(RegionError):
         pool.release((a,))  # double release
+
+
+def test_a_pool_opened_with_held_slots_zeroes_only_the_others(
+    mapped: Callable[[int], MappedRegion],
+) -> None:
+    # After a restart, the slots live requests hold are theirs: in use, not residue.
+    region = mapped(1024 * 4)
+    region.view()[:] = 7
+    pool = OffloadPool(region, 4, held={1, 3})
+    view = region.view()
+    assert not view[0:1024].any() and not view[2048:3072].any()
+    assert (view[1024:2048] == 7).all() and (view[3072:4096] == 7).all()
+    assert set(pool.busy) == {1, 3} and pool.free_count == 2
+    with pytest.raises(RegionError) as info:
+        pool.take((1,))
+    assert info.value.code == "bad_slot"
+    pool.release((1,))
+    assert not view[1024:2048].any()
+    with pytest.raises(RegionError) as out:
+        OffloadPool(region, 4, held={4})
+    assert out.value.code == "bad_slot"
 
 
 def test_pool_zeroes_residue_of_a_previous_run(new_shm: ShmFactory) -> None:

@@ -5,7 +5,9 @@ as a node that is prefill for some requests and decode for others), with three
 engines of different layouts. Rules drive registrations (overlapping blocks,
 reused ids with old and new incarnations), peer registrations, kv-ready,
 trims, writes, failures, aborts, releases, settles, engine detach/attach, and
-deadline expiries with a monotonic fake clock.
+deadline expiries with a monotonic fake clock. Two engines have offload pools,
+and registrations ask for slots (sometimes more than are free, or fewer than
+none).
 
 Every input goes through the check_/plan_ methods (or, for facts the shell
 learns from elsewhere such as ``WriteDone``, straight to ``apply``). A refusal
@@ -41,9 +43,9 @@ from statemachine import Refusal, Registry, fold, is_quarantined
 ATT, SSM = GroupKind.ATTENTION, GroupKind.SSM
 
 ENGINES = (
-    EngineLayout("flat", (GroupLayout(ATT, 12),)),
+    EngineLayout("flat", (GroupLayout(ATT, 12),), offload_slots=3),
     EngineLayout("wide", (GroupLayout(ATT, 16, per_logical=2),)),
-    EngineLayout("hyb", (GroupLayout(ATT, 10), GroupLayout(SSM, 6))),
+    EngineLayout("hyb", (GroupLayout(ATT, 10), GroupLayout(SSM, 6)), offload_slots=2),
 )
 BY_ID = {e.engine_id: e for e in ENGINES}
 IDS = ("r0", "r1", "r2", "r3", "r4")
@@ -68,6 +70,7 @@ engine_st = st.sampled_from([e.engine_id for e in ENGINES])
 # refused.
 block_st = st.integers(0, 41).map(lambda x: x % 6 if x < 39 else (-1 if x == 39 else 40))
 logical_st = st.lists(block_st, max_size=3, unique=True)
+slots_st = st.sampled_from([0, 0, 0, 1, 1, 2, 3, -1])
 
 
 class ContractViolation(AssertionError):
@@ -164,8 +167,9 @@ class RegistryMachine(RuleBasedStateMachine):
             pending = self.reg.pending[rid].registration
             if role is Role.RECEIVER or pending.incarnation != inc:
                 return
+        slots = data.draw(slots_st)
         self._ask(
-            lambda: self.reg.check_register(rid, inc, role, engine, "peer-node", logical),
+            lambda: self.reg.check_register(rid, inc, role, engine, "peer-node", logical, slots),
             rid,
             inc,
             engine,
@@ -223,8 +227,9 @@ class RegistryMachine(RuleBasedStateMachine):
         logical = [
             data.draw(st.lists(st.integers(0, 4), max_size=3, unique=True)) for _ in layout.groups
         ]
+        slots = data.draw(st.integers(0, layout.offload_slots))
         self._ask(
-            lambda: self.reg.check_register(rid, inc, role, engine, "peer-node", logical),
+            lambda: self.reg.check_register(rid, inc, role, engine, "peer-node", logical, slots),
             rid,
             inc,
             engine,
@@ -373,6 +378,7 @@ class RegistryMachine(RuleBasedStateMachine):
         assert not self.reg.live, list(self.reg.live.values())
         assert not self.reg.pending, list(self.reg.pending.values())
         assert self.reg.owned_blocks() == {}
+        assert all(not self.reg.slots_held(engine) for engine in self.reg.engines)
         self.replay_reproduces_live_state()
 
     # ---------------------------------------------------------- invariants
@@ -393,6 +399,18 @@ class RegistryMachine(RuleBasedStateMachine):
                     owners[block] = rec.request_id
         expected = {k: v for k, v in expected.items() if v}
         assert self.reg.owned_blocks() == expected
+
+    @invariant()
+    def one_holder_per_offload_slot(self) -> None:
+        expected: dict[str, dict[int, str]] = {}
+        for rec in self.reg.live.values():
+            holders = expected.setdefault(rec.engine_id, {})
+            for slot in self.reg.offload_slots(rec.request_id):
+                assert slot not in holders, f"slot {rec.engine_id}/{slot} held twice"
+                assert 0 <= slot < self.reg.engines[rec.engine_id].offload_slots
+                holders[slot] = rec.request_id
+        for engine in self.reg.engines:
+            assert self.reg.slots_held(engine) == expected.get(engine, {})
 
     @invariant()
     def released_requests_leave_nothing_but_a_tombstone(self) -> None:

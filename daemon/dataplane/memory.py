@@ -13,11 +13,11 @@ engine's uid when that is known, and exactly as large as the engine says.
 from __future__ import annotations
 
 import contextlib
-import heapq
 import mmap
 import os
 import stat
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Final
 
@@ -193,15 +193,24 @@ def create_shm_file(path: str, size: int, *, mode: int = 0o600) -> RegionSpec:
 
 
 class OffloadPool:
-    """Fixed-size slots over one mapped region, handed out to requests.
+    """Fixed-size slots over one mapped region: their memory, and which are busy.
 
-    Invariant 5 of the design: a released slot is zeroed before it goes back
-    on the free list, so no request can read another's residue. Slots are
-    handed out lowest index first, which keeps allocation deterministic.
+    Which request gets which slot is the core's rule (``Registry.check_register``
+    grants them, and the grant is journaled); the pool carries it out. A slot
+    is busy from its grant (:meth:`take`) until its request's release is
+    durable and the slot zeroed (:meth:`release`): invariant 5 of the design,
+    no request reads another's residue. Busy slots are handed to the core as
+    unavailable, so a released slot is not granted again before it is zeroed.
     Not thread-safe: use it from the event loop only.
     """
 
-    def __init__(self, region: MappedRegion, n_slots: int, *, zero_now: bool = True) -> None:
+    def __init__(self, region: MappedRegion, n_slots: int, *, held: Iterable[int] = ()) -> None:
+        """``held``: slots live requests hold already (granted before a restart).
+
+        Every other slot is zeroed now: a mapped file may hold a previous
+        run's bytes. A held slot is left as it is, since its request may
+        still be using it, and zeroed when that request is released.
+        """
         if n_slots <= 0:
             raise RegionError(f"offload pool needs at least one slot, got {n_slots}")
         if region.size % n_slots:
@@ -212,49 +221,61 @@ class OffloadPool:
         self.region = region
         self.n_slots = n_slots
         self.slot_bytes = region.size // n_slots
-        self._free: list[int] = list(range(n_slots))  # a heap; sorted is a valid heap
-        self._used: set[int] = set()
-        if zero_now:
-            # A mapped file may hold a previous run's bytes: start from zero too.
+        busy = set(held)
+        for slot in busy:
+            self._check_index(slot)
+        self._busy = busy
+        if not busy:
             region.view().fill(0)
+            return
+        for slot in range(n_slots):
+            if slot not in busy:
+                self.slot_view(slot).fill(0)
 
     @property
     def free_count(self) -> int:
-        return len(self._free)
+        return self.n_slots - len(self._busy)
 
     @property
     def used_count(self) -> int:
-        return len(self._used)
+        return len(self._busy)
 
-    def acquire(self, n: int) -> tuple[int, ...]:
-        """Take ``n`` free slots; all or nothing."""
-        if n < 0:
-            raise RegionError(f"cannot acquire {n} slots", code="bad_slot")
-        if n > len(self._free):
-            raise RegionError(
-                f"offload pool {self.region.name!r}: {n} slots wanted, {len(self._free)} free",
-                code="offload_exhausted",
-            )
-        slots = tuple(heapq.heappop(self._free) for _ in range(n))
-        self._used.update(slots)
-        return slots
+    @property
+    def busy(self) -> AbstractSet[int]:
+        """Slots granted, or released and not yet zeroed (a live view, not a copy)."""
+        return self._busy
+
+    def take(self, slots: Iterable[int]) -> None:
+        """Mark granted slots busy; all or nothing.
+
+        Every slot must be in range, free and listed once, else nothing is
+        taken and RegionError(code="bad_slot") is raised.
+        """
+        slots = tuple(slots)
+        for slot in slots:
+            self._check_index(slot)
+        if len(set(slots)) != len(slots):
+            raise RegionError(f"slot listed twice in take: {slots}", code="bad_slot")
+        taken = [s for s in slots if s in self._busy]
+        if taken:
+            raise RegionError(f"slots {taken} are busy", code="bad_slot")
+        self._busy.update(slots)
 
     def release(self, slots: Iterable[int]) -> None:
-        """Zero the slots and put them back; all or nothing.
+        """Zero the slots and make them free; all or nothing.
 
-        Every slot must be currently acquired and listed once, else nothing
+        Every slot must be currently busy and listed once, else nothing
         is released and RegionError(code="bad_slot") is raised.
         """
         slots = tuple(slots)
         if len(set(slots)) != len(slots):
             raise RegionError(f"slot listed twice in release: {slots}", code="bad_slot")
-        stray = [s for s in slots if s not in self._used]
+        stray = [s for s in slots if s not in self._busy]
         if stray:
-            raise RegionError(f"slots {stray} are not acquired", code="bad_slot")
+            raise RegionError(f"slots {stray} are not busy", code="bad_slot")
         for slot in slots:
             self.slot_view(slot).fill(0)
-            self._used.remove(slot)
-            heapq.heappush(self._free, slot)
+            self._busy.remove(slot)
 
     def slot_view(self, slot: int) -> np.ndarray:
         """A writable uint8 array over one slot."""

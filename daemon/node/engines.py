@@ -5,6 +5,12 @@ CUDA IPC handles), which the daemon maps and registers with NIXL; each peer
 gets its own window onto that memory (daemon/node/windows.py). An engine whose
 connection closed is forgotten, and its memory unmapped, once its last live
 request is released.
+
+Offload slots are granted by the core (``Registry.check_register``) and
+journaled; an engine's pool here only carries the grants out: it marks them
+busy, zeroes a slot once its request's release is durable, and, when the
+engine registers after a restart, starts with the slots that replay says
+live requests still hold.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -21,8 +28,8 @@ from daemon.dataplane.memory import MappedRegion, OffloadPool, RegionError, map_
 from daemon.dataplane.plane import DataPlaneError
 from daemon.dataplane.vram import VramRegion, open_vram_region
 from schemas import rpc
-from schemas.events import Event
-from schemas.kvlayout import EngineSpec, MemoryKind, RemoteEngine
+from schemas.events import Event, Registered
+from schemas.kvlayout import EngineSpec, MemoryKind, RegionSpec, RemoteEngine
 from schemas.reasons import Reason
 from schemas.state import RequestRecord
 from statemachine import Refusal
@@ -55,6 +62,7 @@ class EngineState:
     session: EngineSession | None
     offload: OffloadPool | None = None
     offload_region: MappedRegion | None = None
+    offload_spec: RegionSpec | None = None
     live: int = 0
     # What each peer is told: the engine seen through that peer's own windows.
     windows: dict[str, RemoteEngine] = field(default_factory=dict)
@@ -64,8 +72,11 @@ class Engines:
     def __init__(self, node: Node) -> None:
         self.node = node
         self.by_id: dict[str, EngineState] = {}
-        # Offload slots held per live request: request id -> (engine, slots).
-        self.offload: dict[str, tuple[str, tuple[int, ...]]] = {}
+        # Offload slots held per live request, as the core granted them:
+        # (request id, incarnation) -> (engine, slots). Keyed by incarnation
+        # too: the next incarnation may be granted slots before the release
+        # of the one before is durable (and its slots zeroed).
+        self.offload: dict[tuple[str, int], tuple[str, tuple[int, ...]]] = {}
         # Releases no engine heard of yet, oldest dropped first (bounded like
         # the tombstones that would refuse a late call about them anyway).
         self._unannounced: collections.deque[tuple[str, rpc.Released]] = collections.deque(
@@ -105,9 +116,14 @@ class Engines:
     async def register(self, session: EngineSession, req: rpc.RegisterEngine) -> rpc.Reply:
         node = self.node
         spec = EngineSpec(req.engine_id, req.groups, req.regions)
+        _check_offload(req)
         existing = self.by_id.get(req.engine_id)
         if existing is not None:
-            if existing.spec != spec:
+            pool = 0 if existing.offload is None else existing.offload.n_slots
+            if existing.spec != spec or (existing.offload_spec, pool) != (
+                req.offload,
+                req.offload_slots,
+            ):
                 raise Refusal(
                     Reason.ENGINE_IN_USE,
                     f"engine {req.engine_id} is registered with a different layout",
@@ -115,35 +131,59 @@ class Engines:
             existing.session = session
             self._resend_outcomes(req.engine_id)
             return rpc.Ok(req.id)
-        if req.offload is not None and req.offload.memory is not MemoryKind.DRAM:
-            # Offload pools are zeroed and handed out by the daemon: host memory only.
-            raise RegionError(f"offload region {req.offload.name!r}: offload pools are DRAM only")
-        attach = node.registry.check_attach(spec.layout())
+        # The pool's size is part of the layout: while live requests hold
+        # slots (after a restart, say), the engine cannot come back with another.
+        attach = node.registry.check_attach(spec.layout(req.offload_slots))
         # Off the loop: opening the first VRAM region initializes CUDA in this
         # process (seconds), which must not stall heartbeats or other engines' RPCs.
         regions = await asyncio.to_thread(self._map_regions, spec, session.uid)
+        offload_region: MappedRegion | None = None
         try:
+            if req.offload is not None:
+                offload_region = map_dram_region(req.offload, owner_uid=session.uid)
             remote = await node.dataplane.add_local_engine(spec, regions)
-        except DataPlaneError as exc:
+        except (DataPlaneError, RegionError) as exc:
             for region in regions.values():
                 region.close()
+            if offload_region is not None:
+                offload_region.close()
+            if isinstance(exc, RegionError):
+                raise
             raise RegionError(str(exc)) from exc
         engine = EngineState(spec, regions, remote, session)
+        engine.offload_region, engine.offload_spec = offload_region, req.offload
         try:
             await node.windows.open_for_all_peers(engine)
-        except DataPlaneError as exc:
+            if offload_region is not None:
+                # After the last await: the slots held now are the ones kept.
+                self._open_pool(engine, offload_region, req.offload_slots)
+        except (DataPlaneError, RegionError) as exc:
             await self._close_memory(engine)
+            if isinstance(exc, RegionError):
+                raise
             raise RegionError(str(exc)) from exc
-        if req.offload is not None:
-            engine.offload_region = map_dram_region(req.offload, owner_uid=session.uid)
-            # The pool starts zeroed: nothing left from before a restart leaks.
-            engine.offload = OffloadPool(engine.offload_region, req.offload_slots)
         self.by_id[req.engine_id] = engine
         await node.ledger.commit([attach], Cause.ENGINE)
         self._resend_outcomes(req.engine_id)
         await node.windows.announce()
         log.info("engine registered", node=node.config.node, engine=req.engine_id)
         return rpc.Ok(req.id)
+
+    def _open_pool(self, engine: EngineState, region: MappedRegion, n_slots: int) -> None:
+        """The engine's offload pool, keeping the slots live requests hold as they are.
+
+        After a restart the engine registers again with the pool it had, and
+        replay knows which slots its live requests still hold: those stay
+        busy (and unzeroed: their requests may still use them) until they
+        are released, when after_durable zeroes them; every other slot is
+        zeroed now.
+        """
+        engine_id, registry = engine.spec.engine_id, self.node.registry
+        engine.offload = OffloadPool(region, n_slots, held=registry.slots_held(engine_id))
+        for record in registry.live.values():
+            slots = registry.offload_slots(record.request_id)
+            if slots and record.engine_id == engine_id:
+                self.offload[(record.request_id, record.incarnation)] = (engine_id, slots)
 
     @staticmethod
     def _map_one(region: Any, uid: int) -> Region:
@@ -197,18 +237,30 @@ class Engines:
         self.own(session, record.engine_id)
         return record
 
-    def acquire_offload(self, engine: EngineState, count: int) -> tuple[int, ...]:
-        if not count:
-            return ()
-        if engine.offload is None:
-            raise Refusal(
-                Reason.UNKNOWN_ENGINE, f"engine {engine.spec.engine_id} has no offload pool"
-            )
-        return engine.offload.acquire(count)
+    @staticmethod
+    def unavailable_slots(engine: EngineState) -> AbstractSet[int]:
+        """Slots the core must not grant: busy in the pool (granted, or not yet zeroed)."""
+        return frozenset() if engine.offload is None else engine.offload.busy
 
-    def give_back_offload(self, engine: EngineState, slots: tuple[int, ...]) -> None:
-        if slots and engine.offload is not None:
-            engine.offload.release(slots)
+    def take_offload(self, engine: EngineState, event: Registered) -> None:
+        """Carry out the core's grant before it is journaled (RegionError: nothing taken)."""
+        if event.offload_slots:
+            if engine.offload is None:
+                raise RegionError(
+                    f"engine {engine.spec.engine_id} has no offload pool", code="bad_slot"
+                )
+            engine.offload.take(event.offload_slots)
+
+    def granted(self, event: Registered) -> None:
+        """The grant is journaled: its slots are zeroed and freed once its release is durable."""
+        if event.offload_slots:
+            key = (event.request_id, event.incarnation)
+            self.offload[key] = (event.engine_id, event.offload_slots)
+
+    def give_back_offload(self, engine: EngineState, event: Registered) -> None:
+        """The grant was not journaled after all: free its slots (zeroed; nobody was told)."""
+        if event.offload_slots and engine.offload is not None:
+            engine.offload.release(event.offload_slots)
 
     # ------------------------------------------------------------- leaving
 
@@ -223,7 +275,7 @@ class Engines:
 
         The ledger runs it for ``Released`` records only.
         """
-        held = self.offload.pop(record.request_id, None)
+        held = self.offload.pop((record.request_id, record.incarnation), None)
         if held is not None:
             engine_id, slots = held
             owner = self.by_id.get(engine_id)
@@ -268,3 +320,20 @@ class Engines:
             await self.node.windows.announce()
         # Nobody waits on the detach, so nothing else would commit it soon.
         await detached
+
+
+def _check_offload(req: rpc.RegisterEngine) -> None:
+    """An offload pool's declaration, checked before anything is mapped."""
+    offload = req.offload
+    if offload is None:
+        if req.offload_slots:
+            raise RegionError(f"offload_slots = {req.offload_slots} without an offload region")
+        return
+    if offload.memory is not MemoryKind.DRAM:
+        # Offload pools are zeroed and handed out by the daemon: host memory only.
+        raise RegionError(f"offload region {offload.name!r}: offload pools are DRAM only")
+    if req.offload_slots <= 0 or offload.size % req.offload_slots:
+        raise RegionError(
+            f"offload region {offload.name!r} of {offload.size} bytes does not split into "
+            f"{req.offload_slots} equal slots (offload_slots must be at least 1)"
+        )

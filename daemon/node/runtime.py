@@ -334,23 +334,34 @@ class Node:
                 raise Refusal(Reason.UNKNOWN_REQUEST, "a receiver registration must name its peer")
             if not self.peers.is_up(req.peer):
                 raise Refusal(Reason.PEER_DEAD, f"peer {req.peer!r} is not connected")
+        # The core grants the offload slots (never one a live request holds,
+        # nor one the pool has not zeroed yet); the grant is journaled with
+        # the registration, so it survives a crash.
         event = self.registry.check_register(
-            req.request_id, req.incarnation, req.role, req.engine_id, req.peer, req.blocks
+            req.request_id,
+            req.incarnation,
+            req.role,
+            req.engine_id,
+            req.peer,
+            req.blocks,
+            req.offload_slots,
+            self.engines.unavailable_slots(engine),
         )
         self._check_fits(event)
-        slots = self.engines.acquire_offload(engine, req.offload_slots)
+        self.engines.take_offload(engine, event)
         try:
             registered = self.ledger.commit([event], Cause.ENGINE)
         except BaseException:
-            self.engines.give_back_offload(engine, slots)
+            self.engines.give_back_offload(engine, event)
             raise
-        if slots:
-            self.engines.offload[req.request_id] = (req.engine_id, slots)
+        self.engines.granted(event)
         engine.live += 1
         await registered  # a receiver's registration is forwarded to its peer once durable
         if req.role is PUSHER:
             self.spawn(self.transfers.advance(req.request_id))
-        return rpc.RequestAccepted(req.id, state=State.REGISTERED.value, offload_slots=slots)
+        return rpc.RequestAccepted(
+            req.id, state=State.REGISTERED.value, offload_slots=event.offload_slots
+        )
 
     def _on_demand(self, req: rpc.RegisterRequest) -> bool:
         """A receiver naming, by address, a peer that is not configured (and may link now)."""

@@ -58,11 +58,11 @@ def _describe(event: Event | None) -> tuple[str, int | None, str]:
     """(blocks, bytes, detail text) of a step, from its record's event."""
     if type(event) is Registered:
         text = f"{event.role.value} on engine {event.engine_id}"
-        return (
-            _join(map(len, event.blocks)),
-            None,
-            text + (f", peer {event.peer}" if event.peer else ""),
-        )
+        if event.peer:
+            text += f", peer {event.peer}"
+        if event.offload_slots:
+            text += f", offload slots {','.join(map(str, event.offload_slots))}"
+        return _join(map(len, event.blocks)), None, text
     if type(event) is PeerRegistered:
         counts = _join(map(len, event.blocks))
         return f"recv {counts}", None, f"receiver engine {event.engine_id} on {event.peer}"
