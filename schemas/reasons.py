@@ -57,8 +57,9 @@ class Reason(enum.StrEnum):
 # read as a promise that it might). tests/test_metrics.py checks these against
 # the core's raise sites.
 
-# A Refused record: the registration checks, a peer not connected, the trim,
-# a message in the wrong state, and a daemon that is draining.
+# A Refused record: the registration checks (offload slots included), a peer
+# not connected, the trim, a message in the wrong state, and a daemon that is
+# draining.
 REFUSAL_REASONS: frozenset[Reason] = frozenset(
     {
         Reason.UNKNOWN_ENGINE,
@@ -79,6 +80,8 @@ REFUSAL_REASONS: frozenset[Reason] = frozenset(
         Reason.RATIO_PADDING_EXCEEDED,
         Reason.BLOCK_COUNT_MISMATCH,
         Reason.ILLEGAL_TRANSITION,
+        Reason.OFFLOAD_EXHAUSTED,
+        Reason.BAD_SLOT,
     }
 )
 
