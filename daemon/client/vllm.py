@@ -476,7 +476,10 @@ class _WorkerSide:
                     await self._connect()
                     break
                 except (ClientError, OSError) as exc:
-                    log.debug("kvpushd: reconnect to %s failed: %s", self._socket, exc)
+                    # A daemon that answers and refuses is worth an operator's look;
+                    # one that is not back yet is not.
+                    report = log.warning if isinstance(exc, RpcError) else log.debug
+                    report("kvpushd: reconnect to %s failed: %s", self._socket, exc)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, RECONNECT_MAX_S)
 
