@@ -137,6 +137,10 @@ class Daemon:
     # starts daemons from its main thread: the kernel sends that SIGTERM when
     # the starting *thread* ends.
     detached: bool = False
+    # Run the daemon under cProfile, its profile written here when it exits
+    # (SIGTERM: ``stop``; a killed daemon writes none). For benches only
+    # (bench/profile_lifecycle.py): it profiles the loop thread alone.
+    profile_to: Path | None = None
 
     @property
     def socket(self) -> str:
@@ -195,8 +199,11 @@ class Daemon:
                 "preexec_fn": _die_with_parent if sys.platform.startswith("linux") else None,
             }
         with open(self.log_path, "ab") as log:
+            profile = (
+                [] if self.profile_to is None else ["-m", "cProfile", "-o", str(self.profile_to)]
+            )
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "daemon.cli", "run", "--config", str(config)],
+                [sys.executable, *profile, "-m", "daemon.cli", "run", "--config", str(config)],
                 cwd=REPO,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -320,6 +327,21 @@ def cpu_seconds(pid: int) -> float:
     # The state and counters follow the command name, which may hold spaces.
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """Each live thread's name and on-CPU seconds, from /proc (nanosecond resolution).
+
+    ``schedstat``'s first field is the time the thread ran; :func:`cpu_seconds`
+    counts in clock ticks (10 ms), too coarse for an idle daemon. A thread
+    that ends between two readings takes its time with it.
+    """
+    threads = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            ran_ns = int((task / "schedstat").read_text().split()[0])
+            threads[int(task.name)] = ((task / "comm").read_text().strip(), ran_ns / 1e9)
+    return threads
 
 
 def rss_kib(pid: int) -> int:
