@@ -202,6 +202,11 @@ class DaemonSide:
         return f"{tag}-{self._ids}"
 
     async def open(self) -> None:
+        await self.open_push()
+        await self.open_small()
+
+    async def open_push(self) -> None:
+        """Per block size, a pusher and a receiver engine of the push size, source filled."""
         total = self.settings.total
         for block in BLOCKS:
             n = total // block
@@ -212,6 +217,9 @@ class DaemonSide:
             src = p.memory()
             src[:] = np.random.default_rng(block).integers(0, 256, total, dtype=np.uint8)
             del src
+
+    async def open_small(self) -> None:
+        """A pusher and a receiver engine of 4 KiB blocks for the one-block lifecycles."""
         blocks = IN_FLIGHT * 2
         self.small = (
             await BenchEngine.open(self.prefill.socket, "rate-p", blocks, SMALL),

@@ -75,3 +75,23 @@ def test_daemon_bench_quick_prints_every_row_with_numbers() -> None:
                 assert SPREAD.match(ratio), (label, ratio)
     # One progress line per interleaved pair (the quick run has two).
     assert len(re.findall(r"^pair \d+: push GB/s daemon/bare ", out, re.M)) == 2
+
+
+@pytest.mark.slow
+def test_profile_lifecycle_prints_both_daemons_top_functions() -> None:
+    out = _bench(
+        "bench.profile_lifecycle", "--requests", "60", "--top", "5", "--no-record", timeout=300
+    )
+    for node in ("prefill", "decode"):
+        section = out[out.index(f"### {node} daemon") :]
+        assert re.search(r"loop thread \d+\.\d+", section), section
+        for key in ("By own time", "By cumulative time"):
+            table = section[section.index(key) :].split("\n\n")[1]
+            rows = table.splitlines()[2:]
+            assert len(rows) == 5, table
+            for row in rows:
+                cells = [c.strip() for c in row.strip("|").split("|")]
+                assert cells[0].startswith("`") and cells[0].endswith("`"), row
+                assert all(re.fullmatch(r"[\d,]+\.\d+", c) for c in cells[1:]), row
+    # Some of the daemon's own code is among the cumulative top of each.
+    assert out.count("daemon/node/") >= 2

@@ -137,10 +137,12 @@ class Daemon:
     # starts daemons from its main thread: the kernel sends that SIGTERM when
     # the starting *thread* ends.
     detached: bool = False
-    # Run the daemon under cProfile, its profile written here when it exits
+    # Run the daemon under cProfile (daemon/sim/profiled.py), collecting
+    # between profile(True) and profile(False), written here when it exits
     # (SIGTERM: ``stop``; a killed daemon writes none). For benches only
     # (bench/profile_lifecycle.py): it profiles the loop thread alone.
     profile_to: Path | None = None
+    profile_wall: bool = False  # the wall clock rather than the loop thread's CPU clock
 
     @property
     def socket(self) -> str:
@@ -199,11 +201,12 @@ class Daemon:
                 "preexec_fn": _die_with_parent if sys.platform.startswith("linux") else None,
             }
         with open(self.log_path, "ab") as log:
-            profile = (
-                [] if self.profile_to is None else ["-m", "cProfile", "-o", str(self.profile_to)]
-            )
+            entry = ["daemon.cli"]
+            if self.profile_to is not None:
+                clock = ["--wall"] if self.profile_wall else []
+                entry = ["daemon.sim.profiled", *clock, str(self.profile_to)]
             self.proc = subprocess.Popen(
-                [sys.executable, *profile, "-m", "daemon.cli", "run", "--config", str(config)],
+                [sys.executable, "-m", *entry, "run", "--config", str(config)],
                 cwd=REPO,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -214,6 +217,12 @@ class Daemon:
         if wait:
             self.wait_ready()
         return self
+
+    def profile(self, on: bool) -> None:
+        """Start (or stop) collecting the profile of a daemon started with ``profile_to``."""
+        if self.profile_to is None or self.proc is None:
+            raise RuntimeError(f"{self.node} was not started with profile_to")
+        self.proc.send_signal(signal.SIGUSR1 if on else signal.SIGUSR2)
 
     def exited(self) -> int | None:
         """The exit status once the process has ended; None while it runs (or never ran)."""
