@@ -61,15 +61,22 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# Every figure of bench/RESULTS.md but real vLLM's (bench-vllm); each bench
+# replaces its own section. The issue-14 table: core_bench (replay through the
+# core), replay_bench (two-node postmortem), daemon_bench (daemon and bare
+# NIXL interleaved: pushes, lifecycle rate and CPU, added latency, idle CPU);
+# profile_lifecycle says where a lifecycle's CPU goes. Run on an idle machine.
 bench: $(STAMP)
 	$(BIN)/python -m bench.journal_bench
+	$(BIN)/python -m bench.core_bench
+	$(BIN)/python -m bench.replay_bench
+	$(BIN)/python -m bench.nixl_bare
+	$(BIN)/python -m bench.daemon_bench
+	$(BIN)/python -m bench.profile_lifecycle
 
 # KvpushdConnector beside vLLM's NixlPushConnector on real vLLM (~15 min).
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/python -m bench.vllm_pd_bench $(ARGS)
-	$(BIN)/python -m bench.core_bench
-	$(BIN)/python -m bench.nixl_bare
-	$(BIN)/python -m bench.daemon_bench
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis build *.egg-info

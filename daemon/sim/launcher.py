@@ -137,6 +137,12 @@ class Daemon:
     # starts daemons from its main thread: the kernel sends that SIGTERM when
     # the starting *thread* ends.
     detached: bool = False
+    # Run the daemon under cProfile (daemon/sim/profiled.py), collecting
+    # between profile(True) and profile(False), written here when it exits
+    # (SIGTERM: ``stop``; a killed daemon writes none). For benches only
+    # (bench/profile_lifecycle.py): it profiles the loop thread alone.
+    profile_to: Path | None = None
+    profile_wall: bool = False  # the wall clock rather than the loop thread's CPU clock
 
     @property
     def socket(self) -> str:
@@ -195,8 +201,12 @@ class Daemon:
                 "preexec_fn": _die_with_parent if sys.platform.startswith("linux") else None,
             }
         with open(self.log_path, "ab") as log:
+            entry = ["daemon.cli"]
+            if self.profile_to is not None:
+                clock = ["--wall"] if self.profile_wall else []
+                entry = ["daemon.sim.profiled", *clock, str(self.profile_to)]
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "daemon.cli", "run", "--config", str(config)],
+                [sys.executable, "-m", *entry, "run", "--config", str(config)],
                 cwd=REPO,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -207,6 +217,12 @@ class Daemon:
         if wait:
             self.wait_ready()
         return self
+
+    def profile(self, on: bool) -> None:
+        """Start (or stop) collecting the profile of a daemon started with ``profile_to``."""
+        if self.profile_to is None or self.proc is None:
+            raise RuntimeError(f"{self.node} was not started with profile_to")
+        self.proc.send_signal(signal.SIGUSR1 if on else signal.SIGUSR2)
 
     def exited(self) -> int | None:
         """The exit status once the process has ended; None while it runs (or never ran)."""
@@ -320,6 +336,21 @@ def cpu_seconds(pid: int) -> float:
     # The state and counters follow the command name, which may hold spaces.
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """Each live thread's name and on-CPU seconds, from /proc (nanosecond resolution).
+
+    ``schedstat``'s first field is the time the thread ran; :func:`cpu_seconds`
+    counts in clock ticks (10 ms), too coarse for an idle daemon. A thread
+    that ends between two readings takes its time with it.
+    """
+    threads = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            ran_ns = int((task / "schedstat").read_text().split()[0])
+            threads[int(task.name)] = ((task / "comm").read_text().strip(), ran_ns / 1e9)
+    return threads
 
 
 def rss_kib(pid: int) -> int:

@@ -1,0 +1,97 @@
+"""The benches run and say something: a smoke run of each, no figure judged.
+
+Speed goals never go into tests (a shared CI box is no place to time
+anything); these only check that a bench runs end to end on real daemons and
+bare NIXL and prints every row of its table with numbers in it, without
+touching bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import REPO
+
+RESULTS = REPO / "bench" / "RESULTS.md"
+# "median (min-max)" over the pairs, e.g. "2.49 (2.43-2.55)" or "0.75x (0.67x-0.83x)".
+SPREAD = re.compile(r"^-?[\d,]+\.?\d*x? \(-?[\d,]+\.?\d*x?--?[\d,]+\.?\d*x?\)$")
+
+DAEMON_BENCH_ROWS = [
+    ("push, 64 KiB blocks, contiguous", True),
+    ("push, 64 KiB blocks, scattered", True),
+    ("push, 1 MiB blocks, contiguous", True),
+    ("push, 1 MiB blocks, scattered", True),
+    ("full lifecycle rate", False),
+    ("CPU per lifecycle, prefill daemon", False),
+    ("CPU per lifecycle, decode daemon", False),
+    ("request alone, kv_ready -> KvArrived + BlocksFreeable (bare: one WRITE", True),
+    ("latency added over bare NIXL, p50", False),
+    ("latency added over bare NIXL, p99", False),
+    ("idle CPU, prefill daemon", False),
+    ("idle CPU, decode daemon", False),
+]
+
+
+def _bench(*args: str, timeout: float) -> str:
+    before = RESULTS.read_text()
+    done = subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert RESULTS.read_text() == before, "a smoke run must not record its figures"
+    return done.stdout
+
+
+def _rows(out: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in out.splitlines():
+        if line.startswith("| ") and not line.startswith("| measurement"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+@pytest.mark.slow
+def test_daemon_bench_quick_prints_every_row_with_numbers() -> None:
+    out = _bench("bench.daemon_bench", "--quick", "--no-record", timeout=600)
+    rows = _rows(out)
+    assert len(rows) == 13, rows  # two of the rows are p50 and p99 of the lone request
+    for label, with_bare in DAEMON_BENCH_ROWS:
+        matching = [cells for name, cells in rows.items() if label in name]
+        assert matching, f"no row {label!r} in:\n{out}"
+        for daemon, bare, ratio, _target in matching:
+            assert SPREAD.match(daemon), (label, daemon)
+            if with_bare:
+                assert SPREAD.match(bare), (label, bare)
+            if label.startswith("push"):
+                assert SPREAD.match(ratio), (label, ratio)
+    # One progress line per interleaved pair (the quick run has two).
+    assert len(re.findall(r"^pair \d+: push GB/s daemon/bare ", out, re.M)) == 2
+
+
+@pytest.mark.slow
+def test_profile_lifecycle_prints_both_daemons_top_functions() -> None:
+    out = _bench(
+        "bench.profile_lifecycle", "--requests", "60", "--top", "5", "--no-record", timeout=300
+    )
+    for node in ("prefill", "decode"):
+        section = out[out.index(f"### {node} daemon") :]
+        assert re.search(r"loop thread \d+\.\d+", section), section
+        for key in ("By own time", "By cumulative time"):
+            table = section[section.index(key) :].split("\n\n")[1]
+            rows = table.splitlines()[2:]
+            assert len(rows) == 5, table
+            for row in rows:
+                cells = [c.strip() for c in row.strip("|").split("|")]
+                assert cells[0].startswith("`") and cells[0].endswith("`"), row
+                assert all(re.fullmatch(r"[\d,]+\.\d+", c) for c in cells[1:]), row
+    # Some of the daemon's own code is among the cumulative top of each.
+    assert out.count("daemon/node/") >= 2
