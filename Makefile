@@ -74,7 +74,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.daemon_bench
 	$(BIN)/python -m bench.profile_lifecycle
 
-# KvpushdConnector beside vLLM's NixlPushConnector on real vLLM (~15 min).
+# KvpushdConnector beside vLLM's NixlPushConnector on real vLLM (~6 min here).
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/python -m bench.vllm_pd_bench $(ARGS)
 
