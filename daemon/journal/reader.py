@@ -42,6 +42,7 @@ __all__ = [
     "JournalContents",
     "Records",
     "Snapshot",
+    "Span",
     "read_journal",
     "require_journal",
 ]
@@ -108,6 +109,17 @@ class Records:
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
         return chain.from_iterable(_iter_segment(seg, self._after) for seg in self._plan)
 
+    def spans(self) -> Iterator[Span]:
+        """The same records as runs of intact frames, for loops that walk frames themselves.
+
+        Replay's fold decodes each payload straight out of the segment's
+        bytes: no ``(seq, payload)`` tuple, no copy of the payload, no
+        generator step per record. Each segment file is read once, when its
+        first span is reached; records up to the snapshot are already skipped.
+        """
+        for seg in self._plan:
+            yield from _segment_spans(seg, self._after)
+
     def __repr__(self) -> str:
         return f"Records({self._count} records in {len(self._plan)} segments)"
 
@@ -137,7 +149,27 @@ class JournalContents:
     seqs_exact: bool = True
 
 
-def _iter_segment(seg: _SegmentPlan, after: int) -> Iterator[tuple[int, bytes]]:
+class Span(NamedTuple):
+    """Intact frames back to back in ``data[start:end]``, the first numbered ``first_seq``.
+
+    Walking it: a frame is ``U32`` length, ``U32`` CRC, payload; the next
+    frame starts where the payload ends, and the last one ends at ``end``
+    exactly (a walk that overshoots means the file changed under the reader:
+    :func:`span_changed`).
+    """
+
+    path: Path
+    data: bytes
+    start: int
+    end: int
+    first_seq: int
+
+
+def span_changed(span: Span) -> JournalError:
+    return JournalError(f"{span.path} changed since it was read")
+
+
+def _segment_spans(seg: _SegmentPlan, after: int) -> Iterator[Span]:
     data = _read_bytes(seg.path)
     unpack = U32.unpack_from
     for run in seg.runs:
@@ -149,6 +181,16 @@ def _iter_segment(seg: _SegmentPlan, after: int) -> Iterator[tuple[int, bytes]]:
         while seq <= after and offset < end:
             offset += FRAME_OVERHEAD + unpack(data, offset)[0]
             seq += 1
+        if offset > end:
+            raise JournalError(f"{seg.path} changed since it was read")
+        if offset < end:
+            yield Span(seg.path, data, offset, end, seq)
+
+
+def _iter_segment(seg: _SegmentPlan, after: int) -> Iterator[tuple[int, bytes]]:
+    unpack = U32.unpack_from
+    for span in _segment_spans(seg, after):
+        data, offset, end, seq = span.data, span.start, span.end, span.first_seq
         while offset < end:
             (length,) = unpack(data, offset)
             body = offset + FRAME_OVERHEAD
@@ -156,7 +198,7 @@ def _iter_segment(seg: _SegmentPlan, after: int) -> Iterator[tuple[int, bytes]]:
             yield seq, data[body:offset]
             seq += 1
         if offset != end:
-            raise JournalError(f"{seg.path} changed since it was read")
+            raise span_changed(span)
 
 
 def _read_bytes(path: Path) -> bytes:
