@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from daemon.journal.reader import JournalContents, Span, read_journal
+from daemon.journal.reader import JournalContents, read_journal
 from daemon.journal.replay import decode_snapshot, fold_contents
 from daemon.postmortem.progress import ProgressSlot
 from daemon.postmortem.sources import NodeSource
@@ -274,10 +274,6 @@ class _ChainedRecords:
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
         for part in self._parts:
             yield from part.records
-
-    def spans(self) -> Iterator[Span]:
-        for part in self._parts:
-            yield from part.records.spans()
 
 
 def _read_source(source: NodeSource) -> tuple[JournalContents, list[TornTail]]:
