@@ -163,8 +163,16 @@ def replay_optimistic(
     some records already, so callers that pass one must be able to start
     over (replay() passes none unless asked).
     """
-    read_end, write_end = os.pipe()
-    pid = os.fork()
+    try:
+        read_end, write_end = os.pipe()
+    except OSError:
+        return None  # out of descriptors: the strict path needs none of these
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(read_end)
+        os.close(write_end)
+        return None  # no process to spare: the strict path needs none
     if pid == 0:  # the child: validate, report the shape, exit without cleanup
         status = 0
         try:
