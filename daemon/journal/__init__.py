@@ -9,7 +9,9 @@ Its modules, in the order a record flows through them:
 - ``groupcommit.py``: :class:`GroupCommit`, the daemon's one commit
   mechanism: many appends, one fdatasync, off the event loop;
 - ``recovery.py``: taking a directory over on open: the lock, the torn tail;
-- ``reader.py``: :func:`read_journal`: validation, torn tails, salvage;
-- ``replay.py``: folding the records through the core, as on start;
+- ``reader.py``: :func:`read_journal`: validation, torn tails, salvage; the
+  unchecked read and the clean shape of the optimistic replay;
+- ``replay.py``: folding the records through the core, as on start; offline,
+  a large journal folds unchecked while a forked child checks its CRCs;
 - ``stats.py``: counts and latencies gathered during a fold.
 """

@@ -10,13 +10,23 @@ skipped.
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterator
+import os
+import pickle
+import signal
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 
-from daemon.journal.reader import JournalContents, read_journal
+from daemon.journal.reader import (
+    JournalContents,
+    Shape,
+    Snapshot,
+    clean_shape,
+    read_journal,
+    read_unchecked,
+)
 from schemas.events import FORMAT_VERSION, Record, decode_record, record_decoder
 from schemas.state import Deadlines, RegistrySnapshot
 from statemachine import Refusal, Registry
@@ -27,6 +37,10 @@ _snapshot_encoder = msgspec.msgpack.Encoder()
 
 
 _fast_decode = record_decoder().decode
+
+# Below this many bytes of segments, forking a validator costs more than the
+# CRC pass it takes off the fold (a fork and a pipe: a few milliseconds).
+PARALLEL_MIN_BYTES = 8 * 1024 * 1024
 
 
 class ReplayError(Exception):
@@ -84,6 +98,7 @@ def replay(
     tombstone_limit: int = DEFAULT_TOMBSTONE_LIMIT,
     salvage: bool = False,
     on_record: Callable[[Record, object], None] | None = None,
+    parallel: bool | None = None,
 ) -> ReplayResult:
     """Fold the journal at ``path`` (a directory or a segment file).
 
@@ -92,16 +107,117 @@ def replay(
     stats and postmortem tools hang off it. Raises ``JournalCorrupt`` for
     damage before the tail and :class:`ReplayError` for an event the core
     refuses, unless ``salvage`` (then both are listed in ``damage``).
+
+    ``parallel``: validate the CRCs in a forked process while this one folds
+    the frames unchecked (:func:`replay_optimistic`), and fall back to the
+    strict read and fold if the two disagree or anything went wrong; the
+    result is the same either way. None: when there are two CPUs for it, the
+    segments hold at least ``PARALLEL_MIN_BYTES`` and no ``on_record`` would
+    be called twice by a fall-back.
     """
     # Replay allocates millions of short-lived, acyclic objects; the cyclic
     # collector would rescan the growing registry over and over for nothing.
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
+        if parallel is None:
+            parallel = on_record is None and _parallel_pays(Path(path))
+        if parallel:
+            result = replay_optimistic(path, deadlines, tombstone_limit, salvage, on_record)
+            if result is not None:
+                return result
         return _replay(path, deadlines, tombstone_limit, salvage, on_record)
     finally:
         if gc_was_enabled:
             gc.enable()
+
+
+def _parallel_pays(path: Path) -> bool:
+    if not hasattr(os, "fork") or len(os.sched_getaffinity(0)) < 2:
+        return False
+    try:
+        files = [path] if path.is_file() else list(path.glob("seg-*.kvj"))
+        return sum(f.stat().st_size for f in files) >= PARALLEL_MIN_BYTES
+    except OSError:
+        return False
+
+
+def replay_optimistic(
+    path: Path,
+    deadlines: Deadlines | None = None,
+    tombstone_limit: int = DEFAULT_TOMBSTONE_LIMIT,
+    salvage: bool = False,
+    on_record: Callable[[Record, object], None] | None = None,
+) -> ReplayResult | None:
+    """Fold the frames unchecked while a forked child validates; None: use the strict path.
+
+    The fold's result stands only if the child found the journal clean
+    (:func:`clean_shape`: no torn tail, no damage, each segment intact from
+    header to end) and both processes saw the same files, byte for byte
+    (sizes and whole-file CRCs in the shape). Then the strict read would
+    have yielded exactly the frames folded here, in the same order and
+    numbering, and the strict fold the same result. Anything else (damage,
+    a refusal, an undecodable frame, a file that changed, a child that
+    failed) returns None without raising: the strict path reads again and
+    reports it as it always has. ``on_record`` has then been called for
+    some records already, so callers that pass one must be able to start
+    over (replay() passes none unless asked).
+    """
+    try:
+        read_end, write_end = os.pipe()
+    except OSError:
+        return None  # out of descriptors: the strict path needs none of these
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(read_end)
+        os.close(write_end)
+        return None  # no process to spare: the strict path needs none
+    if pid == 0:  # the child: validate, report the shape, exit without cleanup
+        status = 0
+        try:
+            os.close(read_end)
+            shape = pickle.dumps(clean_shape(path))
+            with os.fdopen(write_end, "wb") as out:
+                out.write(shape)
+        except BaseException:
+            status = 1
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    result: ReplayResult | None = None
+    seen: Shape | None = None
+    try:
+        with os.fdopen(read_end, "rb") as report:
+            try:
+                snapshot, unchecked = read_unchecked(path)
+                result = _fold(
+                    unchecked,
+                    snapshot,
+                    True,
+                    deadlines,
+                    tombstone_limit,
+                    salvage,
+                    on_record,
+                )
+                seen = unchecked.shape()
+            except Exception:
+                # Damage, a refusal, a changed file: whatever it was, the
+                # strict path meets it again and reports it as it always has.
+                result = None
+            raw = report.read()
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)  # interrupted: the child's answer is moot
+        raise
+    finally:
+        _, status = os.waitpid(pid, 0)
+    if result is None or status != 0 or not raw:
+        return None
+    try:
+        validated = pickle.loads(raw)  # our own child's report, never outside input
+    except Exception:
+        return None  # a garbled report is a disagreement
+    return result if validated is not None and validated == seen else None
 
 
 def _replay(
@@ -129,11 +245,35 @@ def fold_contents(
     on_record: Callable[[Record, object], None] | None = None,
 ) -> ReplayResult:
     """Fold already-read journal contents (the daemon's start-up path)."""
-    exact = contents.seqs_exact
+    result = _fold(
+        contents.records,
+        contents.snapshot,
+        contents.seqs_exact,
+        deadlines,
+        tombstone_limit,
+        salvage,
+        on_record,
+    )
+    result.torn_bytes = contents.torn_bytes
+    result.torn_at = contents.torn_at
+    result.damage[:0] = [str(d) for d in contents.damage]
+    return result
+
+
+def _fold(
+    records: Iterable[tuple[int, bytes]],
+    snapshot: Snapshot | None,
+    exact: bool,
+    deadlines: Deadlines | None,
+    tombstone_limit: int,
+    salvage: bool,
+    on_record: Callable[[Record, object], None] | None,
+) -> ReplayResult:
+    """The one fold of replay: ``(seq, payload)`` records, after ``snapshot``."""
     registry = Registry(deadlines=deadlines, tombstone_limit=tombstone_limit)
     result = ReplayResult(registry=registry)
-    if contents.snapshot is not None:
-        snap_seq, payload = contents.snapshot
+    if snapshot is not None:
+        snap_seq, payload = snapshot
         registry = Registry.from_snapshot(
             decode_snapshot(payload), deadlines=deadlines, tombstone_limit=tombstone_limit
         )
@@ -147,7 +287,7 @@ def fold_contents(
     # inlined, and the checks of _decode run only when the fast path fails.
     # The first and last records applied are kept, not their fields: two
     # loads per record fewer.
-    for seq, payload in contents.records:
+    for seq, payload in records:
         try:
             record = decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
@@ -173,7 +313,4 @@ def fold_contents(
     last_ts = None if last is None else last.ts
     result.records, result.last_seq = count, last_seq
     result.first_ts, result.last_ts = first_ts, last_ts
-    result.torn_bytes = contents.torn_bytes
-    result.torn_at = contents.torn_at
-    result.damage[:0] = [str(d) for d in contents.damage]
     return result
