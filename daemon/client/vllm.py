@@ -532,17 +532,8 @@ class _WorkerSide:
 
     async def _receive(self, receive: ReceiveSpec, generation: int) -> None:
         try:
-            client = self._need_client(generation)
             self._posted.add(receive.transfer_id)
-            await client.register_request(
-                self._engine_id,
-                receive.transfer_id,
-                Role.RECEIVER,
-                [list(receive.block_ids)],
-                peer=receive.peer,
-                # The decode daemon dials the prefill's on demand if it has no link.
-                peer_address=receive.peer_address,
-            )
+            await self._register_receiver(receive, generation)
         except (ClientError, RuntimeError) as exc:
             # Never registered: no write can target these blocks. The load
             # ends as a load error, so vLLM recomputes or fails the request.
@@ -557,14 +548,18 @@ class _WorkerSide:
         released at once (``_on_daemon_event``).
         """
         with contextlib.suppress(ClientError, RuntimeError):  # the deadline ends it instead
-            await self._need_client(generation).register_request(
-                self._engine_id,
-                receive.transfer_id,
-                Role.RECEIVER,
-                [list(receive.block_ids)],
-                peer=receive.peer,
-                peer_address=receive.peer_address,
-            )
+            await self._register_receiver(receive, generation)
+
+    async def _register_receiver(self, receive: ReceiveSpec, generation: int) -> None:
+        await self._need_client(generation).register_request(
+            self._engine_id,
+            receive.transfer_id,
+            Role.RECEIVER,
+            [list(receive.block_ids)],
+            peer=receive.peer,
+            # The decode daemon dials the prefill's on demand if it has no link.
+            peer_address=receive.peer_address,
+        )
 
     def _gave_up(self, transfer_id: str, exc: BaseException) -> None:
         reason = exc.code if isinstance(exc, RpcError) else "daemon_unavailable"
