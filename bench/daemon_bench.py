@@ -165,10 +165,11 @@ async def one_request(
     rid: str,
     src_blocks: list[int],
     dst_blocks: list[int],
-) -> tuple[float, float, float]:
+) -> tuple[float, float, float, float]:
     """Register both sides, kv_ready, wait for both events, release both.
 
-    Returns (start, kv_ready sent, last event read), perf_counter seconds.
+    Returns (start, kv_ready sent, KvArrived read, last event read),
+    perf_counter seconds.
     """
     arrived, freed = receiver.expect(rid), pusher.expect(rid)
     t0 = time.perf_counter()
@@ -179,9 +180,10 @@ async def one_request(
     t_kv = time.perf_counter()
     await pusher.client.kv_ready(rid)
     done = await asyncio.gather(arrived, freed)
-    end = max(_check(done[0], rpc.KvArrived), _check(done[1], rpc.BlocksFreeable))
+    t_arrived = _check(done[0], rpc.KvArrived)
+    end = max(t_arrived, _check(done[1], rpc.BlocksFreeable))
     await asyncio.gather(receiver.client.release(rid), pusher.client.release(rid))
-    return t0, t_kv, end
+    return t0, t_kv, t_arrived, end
 
 
 # ------------------------------------------------------------------ A: daemons
@@ -246,7 +248,7 @@ class DaemonSide:
             dst[:] = 0
             for run in range(runs + 1):  # run 0 is a warm-up, fully checked
                 dst[mapped] = ~expect
-                _, t_kv, end = await one_request(
+                _, t_kv, _, end = await one_request(
                     p, d, self.rid(f"push-{layout}"), list(range(n)), perm.tolist()
                 )
                 if not np.array_equal(dst[mapped], expect):
@@ -262,11 +264,11 @@ class DaemonSide:
             del src, dst
         return seconds
 
-    async def lifecycles(self, n: int, in_flight: int) -> tuple[float, list[float]]:
-        """(requests/s, per-request seconds) of ``n`` one-block lifecycles, ``in_flight`` at once.
+    async def lifecycles(self, n: int, in_flight: int) -> tuple[float, list[float], list[float]]:
+        """(requests/s, seconds to both events, seconds to KvArrived) of ``n`` lifecycles.
 
-        Latency is from the registrations with several in flight, from
-        kv_ready for one alone.
+        ``n`` one-block lifecycles, ``in_flight`` at once. Latency is from the
+        registrations with several in flight, from kv_ready for one alone.
         """
         assert self.small is not None
         p, d = self.small
@@ -274,18 +276,23 @@ class DaemonSide:
         for slot in range(p.blocks):
             free.put_nowait(slot)
         latencies: list[float] = []
+        arrivals: list[float] = []
         sem = asyncio.Semaphore(in_flight)
 
         async def one() -> None:
             async with sem:
                 slot = await free.get()
-                t0, t_kv, end = await one_request(p, d, self.rid(f"c{in_flight}"), [slot], [slot])
-                latencies.append(end - (t0 if in_flight > 1 else t_kv))
+                t0, t_kv, t_arrived, end = await one_request(
+                    p, d, self.rid(f"c{in_flight}"), [slot], [slot]
+                )
+                start = t0 if in_flight > 1 else t_kv
+                latencies.append(end - start)
+                arrivals.append(t_arrived - start)
                 free.put_nowait(slot)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(one() for _ in range(n)))
-        return n / (time.perf_counter() - t0), latencies
+        return n / (time.perf_counter() - t0), latencies, arrivals
 
     def cpu(self) -> dict[str, float]:
         """CPU seconds of each daemon so far (clock ticks: for long windows)."""
@@ -307,12 +314,13 @@ class DaemonSide:
                 seconds = await self.push_seconds(block, layout, s.runs)
                 out[("push", block, layout)] = s.total / statistics.median(seconds) / 1e9
         before = self.cpu()
-        out["rate"], _ = await self.lifecycles(s.requests, IN_FLIGHT)
+        out["rate"], _, _ = await self.lifecycles(s.requests, IN_FLIGHT)
         after = self.cpu()
         for node in after:
             out[("cpu", node)] = (after[node] - before[node]) / s.requests
-        _, single = await self.lifecycles(s.single, 1)
+        _, single, arrived = await self.lifecycles(s.single, 1)
         out["p50"], out["p99"] = pct(single, 50), pct(single, 99)
+        out["arrived p50"], out["arrived p99"] = pct(arrived, 50), pct(arrived, 99)
         await asyncio.sleep(min(1.0, s.idle_s))  # let trailing work (syncs, logs) settle
         before = self.ran()
         t0 = time.perf_counter()
@@ -423,6 +431,17 @@ def table(s: Settings, daemon: list[dict[Any, float]], bare: list[dict[Any, floa
         lines.append(
             f"| latency added over bare NIXL, {q} (daemon {q} - bare {q}, per pair), ms "
             f"| {spread(added, ms)} | | | {target} |"
+        )
+    for q in ("p50", "p99"):
+        lines.append(
+            f"| one {SMALL // KIB} KiB request alone, kv_ready -> KvArrived only, {q}, ms "
+            f"| {spread(col(daemon, f'arrived {q}'), ms)} | | | |"
+        )
+    for q in ("p50", "p99"):
+        added = [a - b for a, b in zip(col(daemon, f"arrived {q}"), col(bare, q), strict=True)]
+        lines.append(
+            f"| latency added over bare NIXL up to KvArrived, {q} (per pair), ms "
+            f"| {spread(added, ms)} | | | |"
         )
     for node in ("prefill", "decode"):
         lines.append(

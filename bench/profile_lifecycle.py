@@ -74,7 +74,7 @@ async def profile_lifecycles(
             daemon.profile(True)
         await asyncio.sleep(0.2)  # the signals are handled before the first request
         before = {d.node: thread_cpu(d.proc.pid) for d in pair if d.proc}
-        rate, _ = await side.lifecycles(requests, in_flight)
+        rate, _, _ = await side.lifecycles(requests, in_flight)
         after = {d.node: thread_cpu(d.proc.pid) for d in pair if d.proc}
         for daemon in pair:
             daemon.profile(False)

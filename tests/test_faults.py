@@ -46,8 +46,9 @@ from daemon.sim.crashrounds import (
 from daemon.sim.engine import Expectation, tail_pairs
 from daemon.sim.launcher import TEST_TIMING, Daemon
 from schemas import rpc
-from schemas.events import Record
+from schemas.events import KvReady, Record
 from schemas.reasons import Reason
+from tests.support.journals import lose_from
 
 PEER_TTL_S: Final = TEST_TIMING.peer_ttl_s
 EXIT_JOURNAL_FATAL: Final = 3  # daemon/service.py
@@ -369,3 +370,74 @@ async def test_a_pusher_frozen_just_before_posting_cannot_write_once_fenced(
     await steps.release(PREFILL, "late")
     await pair.wait_link()
     await finish(pair)
+
+
+# ------------------------------------------------ the write path's durability
+
+
+@pytest.mark.slow
+async def test_the_write_overlaps_the_pushers_fdatasync_and_a_power_cut_in_between_is_safe(
+    tmp_path: Path, closing: list[CrashPair]
+) -> None:
+    # Every fdatasync of the prefill daemon stalls 1.5 s (a slow disk). Its
+    # WRITE is posted while kv_ready/trimmed/write_started are being
+    # synced (ARCHITECTURE.md, "The write path's durability"): the data
+    # lands and the decode side tells its engine while the prefill engine
+    # has heard nothing, not even the reply to kv_ready.
+    pair = await started_pair(tmp_path, closing, {PREFILL: "journal.sync_fd=sleep:1.5"})
+    steps = Steps(pair)
+    prefill, decode = pair.daemons[PREFILL], pair.daemons[DECODE]
+    # The prefill side first: its slow sync must not eat the decode side's
+    # (short, crash-round) registration deadline.
+    src = [list(range(4, 8)) for _ in LAYOUT]
+    dst = [list(range(5, 8)) for _ in LAYOUT]
+    await steps.pe.prefill("cut", src, peer=DECODE, kv_ready=False)
+    pair.ledgers[PREFILL].said("Registered", "cut")
+    expect = Expectation(steps.pe.engine_id, tail_pairs(LAYOUT, src, LAYOUT, dst))
+    await steps.de.decode_register("cut", dst, PREFILL, expect=expect)
+    pair.ledgers[DECODE].said("Registered", "cut")
+    ready = asyncio.ensure_future(steps.pe.kv_ready("cut"))
+    arrived = await outcome(steps.de, "cut")
+    assert isinstance(arrived, rpc.KvArrived), arrived
+    pair.ledgers[DECODE].event(arrived)
+    assert not ready.done(), "kv_ready was answered before the write landed: nothing overlapped"
+    told = steps.pe.seen("cut", (rpc.BlocksFreeable, rpc.RequestFailed, rpc.Released))
+    assert told is None, f"the prefill engine heard {told} before its record was durable"
+
+    # A power cut now: the prefill daemon dies inside that fdatasync and the
+    # records it had not synced are gone (SIGKILL alone would keep them in
+    # the page cache, so the test cuts them off the journal).
+    prefill.kill()
+    ready.cancel()
+    # (The records may still have been in the daemon's buffer, waiting for
+    # the sync in flight to end: then there is nothing on disk to cut.)
+    lose_from(
+        prefill.journal, lambda r: isinstance(r.event, KvReady) and r.event.request_id == "cut"
+    )
+    up_at = await pair.recover(PREFILL)
+
+    # The restarted pusher knows only the registration and fails it; it can
+    # never write for it again. The decode side keeps what landed: the bytes
+    # were whole (the notification follows the data) and checked by its engine.
+    failed = await outcome(steps.pe, "cut")
+    assert isinstance(failed, rpc.RequestFailed) and failed.reason is Reason.DAEMON_RESTART
+    pair.ledgers[PREFILL].event(failed)
+    await steps.release(PREFILL, "cut")
+    await steps.release(DECODE, "cut")
+    assert [type(e).__name__ for e in prefill.journal_events("cut")] == [
+        "Registered",
+        "PeerRegistered",
+        "Failed",
+        "Released",
+    ]
+    # The decode journal says what happened: data landed (the pusher's
+    # "writing" never came, it was owed only once durable), then released.
+    assert [type(e).__name__ for e in decode.journal_events("cut")] == [
+        "Registered",
+        "WriteDone",
+        "Released",
+    ]
+    assert steps.de.bad_reports() == []
+    await pair.settle(up_at)
+    pair.check()
+    assert pair.violations == []

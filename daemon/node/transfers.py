@@ -2,8 +2,9 @@
 
 Pusher: once both registrations are known the core trims (tail alignment,
 invariant 3); once the KV is ready the write starts: ``writing`` is
-committed, the peer is told, and one NIXL WRITE with the notification
-``"R#inc"`` is posted. Receiver: the notification (or the pusher's word)
+committed and one NIXL WRITE with the notification ``"R#inc"`` is posted
+while that record is made durable; the peer hears ``writing`` once it is.
+Receiver: the notification (or the pusher's word)
 ends the wait for data. Every change goes through the ledger; what each
 change owes to whom is the core's (statemachine/notices.py).
 """
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from daemon.dataplane.plane import DataPlaneError
+from daemon.dataplane.plane import DataPlaneError, WriteResult
 from schemas.events import Event, Refused, WriteStarted
 from schemas.layout import Role
 from schemas.reasons import Reason
@@ -139,7 +140,7 @@ class Transfers:
             for ids, group in zip(record.src, engine.spec.groups, strict=True)
         )
         # Committed now, awaited by the write: the peer hears "writing" only
-        # once it is durable, and the WRITE is posted after that.
+        # once it is durable; the WRITE is posted meanwhile (see _write).
         started = node.ledger.commit(
             [WriteStarted(record.request_id, record.incarnation, n_blocks, nbytes)]
         )
@@ -151,21 +152,40 @@ class Transfers:
     ) -> None:
         node = self.node
         rid, inc = record.request_id, record.incarnation
+        posting: asyncio.Task[WriteResult] | None = None
+        gone: PeerGone | None = None
         try:
-            await started
             peer = node.peers.states.get(record.peer)
-            if n_blocks:
-                if peer is None or not peer.agent_name or not node.peers.is_up(record.peer):
-                    raise PeerGone(f"peer {record.peer} is not connected")
-                assert record.src is not None and record.dst is not None
-                await node.dataplane.write(
-                    record.engine_id,
-                    peer.agent_name,
-                    record.remote_engine,
-                    record.src,
-                    record.dst,
-                    notification_for(rid, inc),
+            if n_blocks and (
+                peer is None or not peer.agent_name or not node.peers.is_up(record.peer)
+            ):
+                gone = PeerGone(f"peer {record.peer} is not connected")
+            elif n_blocks:
+                assert peer is not None and record.src is not None and record.dst is not None
+                # Posted while write_started is still being made durable: the
+                # fdatasync and the copy overlap instead of adding up. Safe
+                # because nobody is *told* anything before the record is
+                # durable (below), the receiver's blocks stay quarantined
+                # until this side's final word or a fence, and a pusher that
+                # dies before the record is durable dies with its write and
+                # fails the request on restart (ARCHITECTURE.md, "The write
+                # path's durability").
+                posting = asyncio.ensure_future(
+                    node.dataplane.write(
+                        record.engine_id,
+                        peer.agent_name,
+                        record.remote_engine,
+                        record.src,
+                        record.dst,
+                        notification_for(rid, inc),
+                    )
                 )
+            # The peer hears "writing" (and a failure follows it) only once durable.
+            await started
+            if gone is not None:
+                raise gone
+            if posting is not None:
+                await posting
         except (DataPlaneError, PeerGone) as exc:
             self.writes.pop(rid, None)
             node.counters["writes_failed"] += 1
@@ -174,6 +194,16 @@ class Transfers:
             if current is not None:
                 await node.react(current, Stimulus.FAILURE, Why(reason, str(exc)))
             return
+        except BaseException:
+            # Cancelled (an abort, a fence, the drain) or the journal failed
+            # while the WRITE may be in flight: stop it before going on, so
+            # that whoever cancelled us knows nothing is being written.
+            if posting is not None and not posting.done():
+                posting.cancel()
+                await asyncio.wait([posting])
+            if posting is not None and not posting.cancelled():
+                posting.exception()  # retrieved: the failure that matters is ours
+            raise
         self.writes.pop(rid, None)
         current = node.current(rid, inc)
         if current is None:
