@@ -22,6 +22,7 @@ where none may.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -332,7 +333,10 @@ async def test_a_pusher_frozen_just_before_posting_cannot_write_once_fenced(
     steps = Steps(pair)
     prefill = pair.daemons[PREFILL]
     assert prefill.proc is not None
-    await steps.register_both("late", 1, kv_ready=True)
+    await steps.register_both("late", 1, kv_ready=False)
+    # The WRITE is posted while kv_ready is being made durable, so the reply
+    # may come only after the thaw.
+    ready = asyncio.ensure_future(steps.pe.kv_ready("late"))
     await wait_until(
         "the prefill daemon froze at nixl.post", lambda: _stopped(prefill.proc.pid), 10
     )
@@ -349,6 +353,8 @@ async def test_a_pusher_frozen_just_before_posting_cannot_write_once_fenced(
     assert steps.de.stray_changes() == []
 
     os.kill(prefill.proc.pid, signal.SIGCONT)
+    assert isinstance(await ready, rpc.Ok)
+    pair.ledgers[PREFILL].said("KvReady", "late")
     thawed = await outcome(steps.pe, "late", PEER_TTL_S + 10.0)
     assert isinstance(thawed, rpc.RequestFailed), thawed
 
@@ -422,8 +428,11 @@ async def test_the_write_overlaps_the_pushers_fdatasync_and_a_power_cut_in_betwe
     failed = await outcome(steps.pe, "cut")
     assert isinstance(failed, rpc.RequestFailed) and failed.reason is Reason.DAEMON_RESTART
     pair.ledgers[PREFILL].event(failed)
-    await steps.release(PREFILL, "cut")
-    await steps.release(DECODE, "cut")
+    # (On a loaded machine a short crash-round deadline may release either
+    # side first: the journals below say Released either way.)
+    for node in (PREFILL, DECODE):
+        with contextlib.suppress(RpcError):
+            await steps.release(node, "cut")
     assert [type(e).__name__ for e in prefill.journal_events("cut")] == [
         "Registered",
         "PeerRegistered",

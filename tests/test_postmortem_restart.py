@@ -26,7 +26,6 @@ disk and none after it exists.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import subprocess
@@ -37,7 +36,6 @@ from pathlib import Path
 import pytest
 
 from daemon import failpoints
-from daemon.client import ClientError
 from daemon.journal.replay import iter_records
 from daemon.postmortem.analyse import analyse
 from daemon.postmortem.filters import FilterSpec, resolve_filters
@@ -100,27 +98,13 @@ async def _settled(pe: SimEngine, want: dict[str, str], pending: int, timeout: f
         await asyncio.sleep(0.05)
 
 
-def _frozen(daemon: Daemon, timeout: float = 15.0) -> None:
-    """Wait until the daemon stopped itself at its failpoint (state T in /proc)."""
-    assert daemon.proc is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if daemon.proc.poll() is not None:
-            raise RuntimeError(f"prefill exited {daemon.proc.returncode}:\n{daemon.logs()}")
-        said = '"failpoint": "nixl.post"' in daemon.logs()
-        stat = Path(f"/proc/{daemon.proc.pid}/stat").read_text()
-        if said and stat.rsplit(")", 1)[1].split()[0] == "T":
-            return
-        time.sleep(0.02)
-    raise TimeoutError(f"prefill never reached its failpoint:\n{daemon.logs()}")
-
-
 @pytest.fixture
 def restarted(tmp_path: Path):
     """Both journals after the prefill daemon was killed in a known state and restarted."""
     prefill, decode = daemon_pair(tmp_path, extra=LONG)
-    # The third NIXL write (done-1, done-2, then writing-1) freezes the daemon.
-    prefill.env = {failpoints.ENV: "nixl.post=stop@3"}
+    # The third NIXL write (done-1, done-2, then writing-1) is held for a
+    # while on the worker thread, long after its write_started is durable.
+    prefill.env = {failpoints.ENV: "nixl.post=sleep:10@3"}
     decode.env = {failpoints.ENV: ""}
     try:
         prefill.start()
@@ -156,12 +140,11 @@ async def _drive(prefill: Daemon, decode: Daemon) -> None:
             pe, {"done-2": "done", "trimmed-1": "trimmed", "registered-1": "registered"}, 1
         )
         await de.decode_register("writing-1", _dst(5), "prefill")
-        # kv_ready's reply may never come: the daemon freezes on the write.
-        push = asyncio.create_task(pe.prefill("writing-1", _src(5), peer="decode"))
-        await asyncio.to_thread(_frozen, prefill)
+        # kv_ready's reply comes once kv_ready/trimmed/write_started are
+        # durable; the write is still held (posting overlaps that fdatasync,
+        # so only then is "writing" sure to be in the journal).
+        await pe.prefill("writing-1", _src(5), peer="decode")
         prefill.kill()
-        with contextlib.suppress(ClientError):
-            await push
     finally:
         await pe.close()
         await de.close()
