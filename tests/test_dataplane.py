@@ -278,6 +278,43 @@ async def test_concurrent_writes_each_land_and_notify(pair: Pair) -> None:
     assert pair.pusher.writes == len(pairs)
 
 
+async def test_results_finished_while_the_loop_is_busy_arrive_with_one_wake_up(
+    pair: Pair,
+) -> None:
+    """The worker wakes the loop once for every result waiting in its outbox, in order."""
+    fill_pattern(pair.src)
+    fill_noise(pair.dst, seed=8)
+    before = pair.dst.snapshot()
+    pair.receiver.expect_notifications(True)
+    worker = pair.pusher._worker
+    assert worker is not None
+    n = 16
+    src: Blocks = (tuple(range(n)), ())
+    dst: Blocks = (tuple(range(100, 100 + n)), ())
+    tasks = [
+        asyncio.ensure_future(push(pair, ((i,), ()), ((100 + i,), ()), b"b%d" % i))
+        for i in range(n)
+    ]
+    await asyncio.sleep(0)  # each task posts its write and awaits it
+    wakes, delivered = worker.loop_wakes, worker.delivered
+    # Hold the loop thread until the worker has finished every write: its
+    # first result schedules one wake-up, and the rest must ride on it.
+    deadline = time.monotonic() + NOTIF_TIMEOUT_S
+    while len(worker._outbox) < n and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert len(worker._outbox) == n
+    finished = [entry[0] for entry in worker._outbox]  # the write futures, as the worker ended them
+    settled: list[int] = []
+    for i, fut in enumerate(finished):
+        fut.add_done_callback(lambda _, i=i: settled.append(i))
+    results = await asyncio.gather(*tasks)
+    assert worker.loop_wakes - wakes <= 1
+    assert worker.delivered - delivered == n
+    assert settled == list(range(n))  # settled in the order the worker ended them
+    assert all(r.nbytes == LAYERS * 2048 for r in results)
+    assert_regions_equal(pair.dst, expected_after(pair.src, pair.dst, before, src, dst))
+
+
 @pytest.mark.parametrize(
     ("src", "dst", "code"),
     [
