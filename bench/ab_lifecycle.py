@@ -7,7 +7,8 @@ measures what the hand-offs and per-message steps cost:
 
 - ``rate``: one-block lifecycles with 32 in flight (daemon_bench's), req/s;
 - ``cpu``: CPU per lifecycle of each daemon, split into its event loop
-  thread and the rest, from /proc/PID/task/*/schedstat;
+  thread and the rest (and, where the code names it, the NIXL worker), from
+  /proc/PID/task/*/schedstat;
 - ``p50``/``p99``: one 4 KiB request alone, kv_ready -> both events;
 - ``idle``: each daemon's CPU over an idle window, % of a core.
 
@@ -37,19 +38,22 @@ HERE = Path(__file__).resolve()
 def _groups(pid: int) -> dict[str, float]:
     """On-CPU seconds of a daemon's threads: the event loop (main thread) and the rest.
 
-    The rest is the NIXL worker, the fsync thread and UCX's own threads (Python
-    threads carry no OS name here, so they are not told apart).
+    The rest is the NIXL worker, the fsync thread and UCX's own threads.
+    ``nixl`` is the worker alone, where it names its OS thread
+    (``nixl-worker``; older code does not, and reads 0 there).
     """
     from daemon.sim.launcher import thread_cpu
 
-    out = {"loop": 0.0, "other": 0.0}
-    for tid, (_, ran) in thread_cpu(pid).items():
+    out = {"loop": 0.0, "other": 0.0, "nixl": 0.0}
+    for tid, (name, ran) in thread_cpu(pid).items():
         out["loop" if tid == pid else "other"] += ran
+        if name == "nixl-worker":
+            out["nixl"] += ran
     return out
 
 
 async def _child(requests: int, single: int, idle_s: float) -> dict[str, Any]:
-    from bench.daemon_bench import IN_FLIGHT, FULL, DaemonSide, pct
+    from bench.daemon_bench import FULL, IN_FLIGHT, DaemonSide, pct
     from daemon.sim.launcher import start_pair
 
     out: dict[str, Any] = {}
@@ -66,7 +70,7 @@ async def _child(requests: int, single: int, idle_s: float) -> dict[str, Any]:
             for node in pids:
                 for k in before[node]:
                     out[f"cpu_{node}_{k}"] = (after[node][k] - before[node][k]) / requests
-                out[f"cpu_{node}"] = sum(out[f"cpu_{node}_{k}"] for k in before[node])
+                out[f"cpu_{node}"] = out[f"cpu_{node}_loop"] + out[f"cpu_{node}_other"]
             _, lone = await side.lifecycles(single, 1)
             out["p50"], out["p99"] = pct(lone, 50), pct(lone, 99)
             await asyncio.sleep(1.0)
@@ -76,9 +80,9 @@ async def _child(requests: int, single: int, idle_s: float) -> dict[str, Any]:
             after = {n: _groups(p) for n, p in pids.items()}
             elapsed = time.perf_counter() - t0
             for node in pids:
-                out[f"idle_{node}"] = sum(
-                    after[node][k] - before[node][k] for k in after[node]
-                ) / elapsed
+                out[f"idle_{node}"] = (
+                    sum(after[node][k] - before[node][k] for k in after[node]) / elapsed
+                )
             await side.close()
         finally:
             for daemon in pair:
