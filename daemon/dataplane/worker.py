@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 ABORT_WAIT_S: Final = 5.0
 
 _PR_SET_TIMERSLACK: Final = 29
+_PR_SET_NAME: Final = 15
 
 # An outbox entry: (future, result, exception or _CANCEL), or (callback, argument, None).
 _Outcome = tuple[Any, Any, Any]
@@ -234,6 +235,7 @@ class Worker:
 
     def _run(self) -> None:
         _tighten_timer_slack()
+        _name_thread(b"nixl-worker")
         try:
             self.st.agent = self._create_agent()
         except Exception as exc:
@@ -665,6 +667,12 @@ def _tighten_timer_slack() -> None:
     with contextlib.suppress(Exception):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)  # 1 us
+
+
+def _name_thread(name: bytes) -> None:
+    """Name this OS thread (``top -H``, /proc/PID/task/TID/comm; best effort, Linux only)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
 
 
 def _wrap(exc: Exception, what: str, cls: type[DataPlaneError] = DataPlaneError) -> DataPlaneError:
