@@ -9,8 +9,10 @@ The options weighed for the NIXL worker (issue 14, item 2), without NIXL:
   against one per burst (the worker's outbox); loop CPU per result;
 - loop -> worker: ``SimpleQueue.put`` to a worker blocked in ``get(timeout)``
   (what the data plane does) against an eventfd the worker waits on with
-  ``select``; latency from the put to the worker running, and the worker's
-  CPU per timed wait that ends empty (a poll round's wait while busy).
+  ``select``; latency from the put to the worker running;
+- the worker's CPU per timed 50 us wait that ends empty (a busy worker's
+  wait between poll rounds): ``SimpleQueue.get(timeout)`` (the worker
+  before), ``select`` on an eventfd, ``time.sleep`` (the worker now).
 
     .venv/bin/python -m bench.handoff_micro [--n 2000]
 
@@ -173,6 +175,32 @@ def to_worker(n: int, how: str) -> tuple[list[float], float]:
     return lat, empty_cpu[0]
 
 
+def empty_wait_cpu(how: str, rounds: int = 2000) -> float:
+    """CPU of one 50 us wait that ends with nothing to do, on a thread with 1 us timer slack."""
+    q: queue.SimpleQueue[int] = queue.SimpleQueue()
+    efd = os.eventfd(0, os.EFD_NONBLOCK)
+    out = [0.0]
+
+    def run() -> None:
+        _slack()
+        c0 = time.thread_time()
+        for _ in range(rounds):
+            if how == "SimpleQueue.get(timeout)":
+                with contextlib.suppress(queue.Empty):
+                    q.get(timeout=5e-5)
+            elif how == "select on an eventfd":
+                select.select([efd], [], [], 5e-5)
+            else:
+                time.sleep(5e-5)
+        out[0] = (time.thread_time() - c0) / rounds
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    os.close(efd)
+    return out[0]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=2000)
@@ -198,6 +226,9 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"loop -> worker, {how}: {_q(lat)}; worker CPU per empty 50 us wait {cpu * 1e6:.2f} us"
         )
+    for how in ("SimpleQueue.get(timeout)", "select on an eventfd", "time.sleep"):
+        cpu = statistics.median(empty_wait_cpu(how) for _ in range(5))
+        print(f"worker, one empty 50 us wait, {how}: {cpu * 1e6:.2f} us CPU (median of 5)")
     print(f"load average {os.getloadavg()[0]:.2f}")
 
 
