@@ -80,9 +80,9 @@ async def _child(requests: int, single: int, idle_s: float) -> dict[str, Any]:
             after = {n: _groups(p) for n, p in pids.items()}
             elapsed = time.perf_counter() - t0
             for node in pids:
-                out[f"idle_{node}"] = (
-                    sum(after[node][k] - before[node][k] for k in after[node]) / elapsed
-                )
+                ran = {k: after[node][k] - before[node][k] for k in after[node]}
+                out[f"idle_{node}"] = (ran["loop"] + ran["other"]) / elapsed
+                out[f"idle_{node}_nixl"] = ran["nixl"] / elapsed  # part of "other"
             await side.close()
         finally:
             for daemon in pair:
