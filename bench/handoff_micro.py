@@ -12,7 +12,7 @@ The options weighed for the NIXL worker (issue 14, item 2), without NIXL:
   ``select``; latency from the put to the worker running;
 - the worker's CPU per timed 50 us wait that ends empty (a busy worker's
   wait between poll rounds): ``SimpleQueue.get(timeout)`` (the worker
-  before), ``select`` on an eventfd, ``time.sleep`` (the worker now).
+  before), ``select`` on an eventfd, ``time.sleep`` (tried for the worker and dropped).
 
     .venv/bin/python -m bench.handoff_micro [--n 2000]
 

@@ -253,25 +253,19 @@ class Worker:
 
     def _loop(self) -> None:
         while self._stop is None:
-            if self._busy():
-                # One round per poll_interval_s (spinning instead would halve
-                # throughput on 2 cores: NIXL-FACTS), paced by a plain sleep:
-                # a timed queue wait costs more CPU per round
-                # (bench/handoff_micro.py), and a command that arrives
-                # meanwhile waits at most one interval.
-                time.sleep(self.poll_interval_s)
-                self._drain()
+            # Block on the queue, not in sleep(): a command wakes the worker at
+            # once, and the timeout paces polling: ~0 CPU when idle, one round
+            # per poll_interval_s when busy (spinning instead would halve
+            # throughput on 2 cores: NIXL-FACTS).
+            timeout = self.poll_interval_s if self._busy() else self.idle_progress_s
+            try:
+                cmd = self.queue.get(timeout=timeout)
+            except queue.Empty:
+                pass
             else:
-                # Idle: block on the queue, so a command wakes the worker at
-                # once and an idle daemon costs ~0 CPU.
-                try:
-                    cmd = self.queue.get(timeout=self.idle_progress_s)
-                except queue.Empty:
-                    pass
-                else:
-                    self._handle(cmd)
-                    self._flush()
-                    self._drain()
+                self._handle(cmd)
+                self._flush()
+                self._drain()
             if self._stop is None:
                 self._progress()
                 self._flush()
