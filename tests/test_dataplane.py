@@ -16,6 +16,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from daemon.dataplane import worker as worker_mod
 from daemon.dataplane.geometry import EngineGeometry, build_indices
 from daemon.dataplane.memory import SHM_ROOT, MappedRegion, create_shm_file, map_dram_region
 from daemon.dataplane.plane import DataPlane, DataPlaneError, TransferError, WriteResult
@@ -313,6 +314,36 @@ async def test_results_finished_while_the_loop_is_busy_arrive_with_one_wake_up(
     assert settled == list(range(n))  # settled in the order the worker ended them
     assert all(r.nbytes == LAYERS * 2048 for r in results)
     assert_regions_equal(pair.dst, expected_after(pair.src, pair.dst, before, src, dst))
+
+
+async def test_a_receiver_that_hears_nothing_polls_less_often_a_pusher_never_does(
+    pair_factory: Callable[..., Awaitable[Pair]],
+) -> None:
+    p = await pair_factory(receiver_idle_progress_s=None)
+    receiver, pusher = p.receiver._worker, p.pusher._worker
+    assert receiver is not None and pusher is not None
+    base = p.receiver.poll_interval_s
+    assert receiver._wait_s() is None  # idle, and told never to progress when idle
+    # A write to a receiver that does not progress stays in flight: the
+    # pusher polls at the full rate however long nothing happens.
+    task = asyncio.create_task(push(p, PARTIAL_SRC, PARTIAL_DST, b"slow"))
+    await wait_for_state(lambda: bool(pusher.st.inflight), "the write is in flight")
+    await wait_for_state(lambda: pusher._empty_rounds > 40, "the pusher polled a while")
+    assert pusher._wait_s() == p.pusher.poll_interval_s
+    # The receiver now expects data but hears nothing: it backs off to 4x.
+    p.receiver.expect_notifications(True)
+    await wait_for_state(lambda: receiver._empty_rounds > 40, "the receiver polled a while")
+    assert receiver._wait_s() == base * 2**worker_mod.EXPECT_BACKOFF_STEPS
+    # ... and still sees the write, which completes.
+    assert (await task).nbytes > 0
+    assert (await asyncio.wait_for(p.notifs.get(), NOTIF_TIMEOUT_S))[1] == b"slow"
+
+
+async def wait_for_state(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + NOTIF_TIMEOUT_S
+    while not check():
+        assert time.monotonic() < deadline, f"never: {what}"
+        await asyncio.sleep(0.005)
 
 
 @pytest.mark.parametrize(
