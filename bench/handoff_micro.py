@@ -152,7 +152,8 @@ def to_worker(n: int, how: str) -> tuple[list[float], float]:
         ready.set()
         while len(lat) < n:
             if how == "queue":
-                lat.append(time.perf_counter() - q.get())
+                sent = q.get()
+                lat.append(time.perf_counter() - sent)
                 continue
             select.select([efd], [], [])
             os.eventfd_read(efd)
