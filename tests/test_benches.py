@@ -95,3 +95,25 @@ def test_profile_lifecycle_prints_both_daemons_top_functions() -> None:
                 assert all(re.fullmatch(r"[\d,]+\.\d+", c) for c in cells[1:]), row
     # Some of the daemon's own code is among the cumulative top of each.
     assert out.count("daemon/node/") >= 2
+
+
+@pytest.mark.slow
+def test_ab_lifecycle_runs_a_checkout_and_prints_every_measurement() -> None:
+    out = _bench(
+        "bench.ab_lifecycle",
+        *("--checkout", str(REPO), "--rounds", "1", "--requests", "60", "--single", "10"),
+        *("--idle-s", "0.3"),
+        timeout=300,
+    )
+    rows = _rows(out)
+    for key in ("rate", "cpu_prefill", "cpu_decode", "cpu_decode_nixl", "p50", "p99"):
+        assert key in rows and SPREAD.match(rows[key][0]), (key, out)
+    # The worker names its thread, so its CPU shows apart from the rest.
+    assert float(rows["cpu_decode_nixl"][0].split()[0]) > 0, out
+
+
+def test_handoff_micro_prints_each_mechanism() -> None:
+    out = _bench("bench.handoff_micro", "--n", "50", timeout=120)
+    for what in ("call_soon_threadsafe", "eventfd", "one wake-up per burst", "time.sleep"):
+        assert what in out, out
+    assert len(re.findall(r"p50 +\d+\.\d us", out)) == 4, out

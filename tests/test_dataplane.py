@@ -16,6 +16,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from daemon.dataplane import worker as worker_mod
 from daemon.dataplane.geometry import EngineGeometry, build_indices
 from daemon.dataplane.memory import SHM_ROOT, MappedRegion, create_shm_file, map_dram_region
 from daemon.dataplane.plane import DataPlane, DataPlaneError, TransferError, WriteResult
@@ -276,6 +277,73 @@ async def test_concurrent_writes_each_land_and_notify(pair: Pair) -> None:
         seen.add((await asyncio.wait_for(pair.notifs.get(), NOTIF_TIMEOUT_S))[1])
     assert seen == {b"c%d" % i for i in range(len(pairs))}
     assert pair.pusher.writes == len(pairs)
+
+
+async def test_results_finished_while_the_loop_is_busy_arrive_with_one_wake_up(
+    pair: Pair,
+) -> None:
+    """The worker wakes the loop once for every result waiting in its outbox, in order."""
+    fill_pattern(pair.src)
+    fill_noise(pair.dst, seed=8)
+    before = pair.dst.snapshot()
+    pair.receiver.expect_notifications(True)
+    worker = pair.pusher._worker
+    assert worker is not None
+    n = 16
+    src: Blocks = (tuple(range(n)), ())
+    dst: Blocks = (tuple(range(100, 100 + n)), ())
+    tasks = [
+        asyncio.ensure_future(push(pair, ((i,), ()), ((100 + i,), ()), b"b%d" % i))
+        for i in range(n)
+    ]
+    await asyncio.sleep(0)  # each task posts its write and awaits it
+    wakes, delivered = worker.loop_wakes, worker.delivered
+    # Hold the loop thread until the worker has finished every write: its
+    # first result schedules one wake-up, and the rest must ride on it.
+    deadline = time.monotonic() + NOTIF_TIMEOUT_S
+    while len(worker._outbox) < n and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert len(worker._outbox) == n
+    finished = [entry[0] for entry in worker._outbox]  # the write futures, as the worker ended them
+    settled: list[int] = []
+    for i, fut in enumerate(finished):
+        fut.add_done_callback(lambda _, i=i: settled.append(i))
+    results = await asyncio.gather(*tasks)
+    assert worker.loop_wakes - wakes <= 1
+    assert worker.delivered - delivered == n
+    assert settled == list(range(n))  # settled in the order the worker ended them
+    assert all(r.nbytes == LAYERS * 2048 for r in results)
+    assert_regions_equal(pair.dst, expected_after(pair.src, pair.dst, before, src, dst))
+
+
+async def test_a_receiver_that_hears_nothing_polls_less_often_a_pusher_never_does(
+    pair_factory: Callable[..., Awaitable[Pair]],
+) -> None:
+    p = await pair_factory(receiver_idle_progress_s=None)
+    receiver, pusher = p.receiver._worker, p.pusher._worker
+    assert receiver is not None and pusher is not None
+    base = p.receiver.poll_interval_s
+    assert receiver._wait_s() is None  # idle, and told never to progress when idle
+    # A write to a receiver that does not progress stays in flight: the
+    # pusher polls at the full rate however long nothing happens.
+    task = asyncio.create_task(push(p, PARTIAL_SRC, PARTIAL_DST, b"slow"))
+    await wait_for_state(lambda: bool(pusher.st.inflight), "the write is in flight")
+    await wait_for_state(lambda: pusher._empty_rounds > 40, "the pusher polled a while")
+    assert pusher._wait_s() == p.pusher.poll_interval_s
+    # The receiver now expects data but hears nothing: it backs off to 4x.
+    p.receiver.expect_notifications(True)
+    await wait_for_state(lambda: receiver._empty_rounds > 40, "the receiver polled a while")
+    assert receiver._wait_s() == base * 2**worker_mod.EXPECT_BACKOFF_STEPS
+    # ... and still sees the write, which completes.
+    assert (await task).nbytes > 0
+    assert (await asyncio.wait_for(p.notifs.get(), NOTIF_TIMEOUT_S))[1] == b"slow"
+
+
+async def wait_for_state(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + NOTIF_TIMEOUT_S
+    while not check():
+        assert time.monotonic() < deadline, f"never: {what}"
+        await asyncio.sleep(0.005)
 
 
 @pytest.mark.parametrize(

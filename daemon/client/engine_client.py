@@ -38,7 +38,7 @@ from daemon.client.errors import (
     RequestTooLarge,
     RpcError,
 )
-from daemon.framing import PREFIX_BYTES, EmptyFrame, FrameEncoder, FrameTooLarge, read_frame
+from daemon.framing import EmptyFrame, FrameReader, FrameTooLarge, FrameWriter
 from schemas import rpc
 from schemas.kvlayout import GroupSpec, RegionSpec
 from schemas.layout import Role
@@ -81,7 +81,7 @@ class EngineClient:
         self.timeout = timeout
         self._on_event = on_event
         self._queue_events = queue_events
-        self._encoder = FrameEncoder()
+        self._frames = FrameWriter(writer)
         self._decoder = msgspec.msgpack.Decoder(rpc.ServerMessage)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[rpc.Reply]] = {}
@@ -162,6 +162,8 @@ class EngineClient:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        with contextlib.suppress(Exception):
+            self._frames.flush()  # requests already sent still leave
         self._writer.close()
         with contextlib.suppress(OSError, ConnectionError):
             await self._writer.wait_closed()
@@ -302,16 +304,10 @@ class EngineClient:
         """Send one request and await the reply with its id."""
         if self._lost is not None:
             raise _copy_lost(self._lost)
-        frame = self._encoder.encode(request)
-        if len(frame) - PREFIX_BYTES > self._max_frame_bytes:
-            raise RequestTooLarge(
-                f"{type(request).__name__} encodes to {len(frame) - PREFIX_BYTES} bytes, "
-                f"over the {self._max_frame_bytes}-byte frame limit"
-            )
         future: asyncio.Future[rpc.Reply] = asyncio.get_running_loop().create_future()
         self._pending[request.id] = future
         try:
-            await self._send(frame)
+            await self._send(request)
             limit = self.timeout if timeout is None else timeout
             try:
                 reply = await asyncio.wait_for(future, limit)
@@ -327,12 +323,23 @@ class EngineClient:
                 future.exception()
         return _check_reply(request, reply, expect)
 
-    async def _send(self, frame: bytearray) -> None:
+    async def _send(self, request: rpc.Request) -> None:
+        """Queue the request's frame; the frames of one loop iteration leave together.
+
+        Raises RequestTooLarge for a request over the frame limit, before
+        anything is queued.
+        """
+        try:
+            self._frames.send(request, self._max_frame_bytes)
+        except FrameTooLarge as exc:
+            raise RequestTooLarge(
+                f"{type(request).__name__} encodes to {exc.length} bytes, "
+                f"over the {self._max_frame_bytes}-byte frame limit"
+            ) from None
         async with self._write_lock:
             if self._lost is not None:
                 raise _copy_lost(self._lost)
             try:
-                self._writer.write(frame)
                 await self._writer.drain()
             except (OSError, ConnectionError) as exc:
                 lost = ConnectionLost(f"send failed: {exc}")
@@ -342,9 +349,10 @@ class EngineClient:
     async def _read_loop(self) -> None:
         """Read frames until the connection ends, then fail whatever is pending."""
         why = "daemon closed the connection"
+        frames = FrameReader(self._reader)
         try:
             while True:
-                body = await read_frame(self._reader, self._max_frame_bytes)
+                body = await frames.read(self._max_frame_bytes)
                 self._dispatch(body)
         except asyncio.IncompleteReadError:
             pass

@@ -29,7 +29,7 @@ from daemon.dataplane.geometry import (
     local_remote_engine,
 )
 from daemon.dataplane.memory import MappedRegion
-from daemon.dataplane.worker import Call, Cancel, Expect, Post, Stop, Worker, WriteResult
+from daemon.dataplane.worker import Call, Cancel, Post, Stop, Worker, WriteResult
 from schemas.events import Blocks
 from schemas.kvlayout import EngineSpec, RemoteEngine
 
@@ -381,7 +381,7 @@ class DataPlane:
         """
         if self._closed:
             return
-        self._live_worker().submit(Expect(bool(flag)))
+        self._live_worker().set_expect(bool(flag))
 
     def _deliver_notifs(self, notifs: dict[str, list[bytes]]) -> None:
         for agent_name, messages in notifs.items():

@@ -5,7 +5,13 @@ delay of 0 that thread spins a whole core even when idle (see NIXL-FACTS).
 Without it, the agent is not thread-safe and only progresses when called, so
 exactly one worker thread owns it and makes *every* agent call. The event
 loop (plane.py) hands the worker commands through a queue and gets results
-back through ``loop.call_soon_threadsafe`` on asyncio futures.
+back in batches: the worker appends each result (a future to settle, a
+notification batch) to an outbox and wakes the loop once per round of work
+(one command, or one progress pass), and not at all while a wake-up it sent
+has not run yet (:meth:`Worker._flush`); the loop then settles everything
+in the outbox in order. With 32 writes in flight one wake-up carries several
+completions, and each completion costs no ``call_soon_threadsafe`` handle of
+its own.
 
 The worker blocks on its queue while nothing is outstanding, so an idle
 daemon costs ~0 CPU (it still wakes every ``idle_progress_s`` for one cheap
@@ -15,6 +21,14 @@ notifications (it has receiver requests waiting for data), it polls
 ``check_xfer_state`` and ``get_new_notifs`` every ``poll_interval_s``. A
 receiver must poll while it expects writes: the pusher's DONE for a WRITE
 that carries a notification waits for the receiver's next progress call.
+A worker that only expects notifications and hears none backs off, up to
+four times the interval (``_wait_s``): a receiver registered long before its
+data costs a quarter of the polls, at the price of up to 150 us more before
+it sees the data (and before the pusher's DONE, which waits for it), while
+a pusher with a write in flight always polls at the full rate. Whether it
+expects notifications is a flag the loop sets directly
+(:meth:`Worker.set_expect`), not a command: turning it off costs the worker
+no wake-up, turning it on wakes only an idle worker.
 """
 
 from __future__ import annotations
@@ -26,6 +40,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -46,7 +61,18 @@ log = logging.getLogger(__name__)
 # giving up on it (it is then kept referenced, never released off-thread).
 ABORT_WAIT_S: Final = 5.0
 
+# A worker that only expects notifications polls less often the longer none
+# comes: the interval doubles after every EXPECT_BACKOFF_ROUNDS empty rounds,
+# up to 2**EXPECT_BACKOFF_STEPS times poll_interval_s.
+EXPECT_BACKOFF_ROUNDS: Final = 8
+EXPECT_BACKOFF_STEPS: Final = 2
+
 _PR_SET_TIMERSLACK: Final = 29
+_PR_SET_NAME: Final = 15
+
+# An outbox entry: (future, result, exception or _CANCEL), or (callback, argument, None).
+_Outcome = tuple[Any, Any, Any]
+_CANCEL: Final = object()  # the future is to be cancelled
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,16 +113,11 @@ class Cancel:
 
 
 @dataclass(slots=True)
-class Expect:
-    flag: bool
-
-
-@dataclass(slots=True)
 class Stop:
     fut: asyncio.Future[None]
 
 
-Command = Call | Post | Cancel | Expect | Stop
+Command = Call | Post | Cancel | Stop | None  # None: only wake up
 
 
 @dataclass(slots=True)
@@ -127,7 +148,6 @@ class _WorkerState:
     # Revoked windows, kept as reservations while the peer that knew them may live.
     revoked: dict[str, list[Window]] = field(default_factory=dict)
     inflight: dict[int, _InFlight] = field(default_factory=dict)
-    expect: bool = False
     leaked: list[Any] = field(default_factory=list)
 
 
@@ -154,41 +174,88 @@ class Worker:
         self.thread = threading.Thread(target=self._run, name=f"nixl-{name}", daemon=True)
         self.started: asyncio.Future[None] = loop.create_future()
         self._stop: Stop | None = None
+        # Set by the loop (set_expect), read by the worker when it picks its wait.
+        self.expect = False
+        self._empty_rounds = 0  # rounds in a row with no command and no notification
+        # Worker -> loop: outcomes in order, settled by _deliver on the loop.
+        # deque append/popleft are atomic, so the two threads need no lock.
+        self._outbox: deque[_Outcome] = deque()
+        # True from the worker's call_soon_threadsafe until _deliver starts.
+        self._wake_pending = False
+        # Counters for tests and benchmarks (each written by one thread).
+        self.loop_wakes = 0  # call_soon_threadsafe calls made by the worker
+        self.delivered = 0  # outcomes the loop settled or dispatched
 
     # ---- plumbing -------------------------------------------------------
 
     def submit(self, cmd: Command) -> None:
         self.queue.put(cmd)
 
+    def set_expect(self, flag: bool) -> None:
+        """From the loop: poll continuously while True (see the module docstring)."""
+        was = self.expect
+        self.expect = flag
+        if flag and not was:
+            # The worker may be in its long idle wait: cut it short.
+            self.queue.put(None)
+
     def _resolve(
         self, fut: asyncio.Future[Any], result: Any = None, exc: BaseException | None = None
     ) -> None:
-        def apply() -> None:
-            if fut.done():
-                return  # the awaiting side gave up; nothing to deliver
-            if exc is not None:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(result)
-
-        with contextlib.suppress(RuntimeError):  # loop already closed
-            self.loop.call_soon_threadsafe(apply)
+        self._outbox.append((fut, result, exc))
 
     def _cancel_future(self, fut: asyncio.Future[Any]) -> None:
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(fut.cancel)
+        self._outbox.append((fut, None, _CANCEL))
+
+    def _flush(self) -> None:
+        """Wake the loop for what the outbox holds, unless a wake-up is already on its way."""
+        if self._wake_pending or not self._outbox:
+            return
+        self._wake_pending = True
+        self.loop_wakes += 1
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # loop already closed: nobody is left to tell
+            self._wake_pending = False
+
+    def _deliver(self) -> None:
+        """On the loop: settle every outcome in the outbox, in the order the worker added them."""
+        # Cleared before reading: an outcome appended from here on is either
+        # read below or comes with a wake-up of its own.
+        self._wake_pending = False
+        outbox = self._outbox
+        while outbox:
+            target, result, exc = outbox.popleft()
+            self.delivered += 1
+            if isinstance(target, asyncio.Future):
+                if target.done():
+                    continue  # the awaiting side gave up; nothing to deliver
+                if exc is _CANCEL:
+                    target.cancel()
+                elif exc is not None:
+                    target.set_exception(exc)
+                else:
+                    target.set_result(result)
+                continue
+            try:
+                target(result)
+            except Exception:
+                log.exception("data plane notification delivery failed")
 
     def _busy(self) -> bool:
-        return bool(self.st.inflight) or self.st.expect
+        return bool(self.st.inflight) or self.expect
 
     def _run(self) -> None:
         _tighten_timer_slack()
+        _name_thread(b"nixl-worker")
         try:
             self.st.agent = self._create_agent()
         except Exception as exc:
             self._resolve(self.started, exc=_wrap(exc, f"starting NIXL agent {self.name!r}"))
+            self._flush()
             return
         self._resolve(self.started)
+        self._flush()
         try:
             self._loop()
         except Exception:
@@ -202,16 +269,34 @@ class Worker:
             # once, and the timeout paces polling: ~0 CPU when idle, one round
             # per poll_interval_s when busy (spinning instead would halve
             # throughput on 2 cores: NIXL-FACTS).
-            timeout = self.poll_interval_s if self._busy() else self.idle_progress_s
             try:
-                cmd = self.queue.get(timeout=timeout)
+                cmd = self.queue.get(timeout=self._wait_s())
             except queue.Empty:
-                pass
+                self._empty_rounds += 1
             else:
+                self._empty_rounds = 0
                 self._handle(cmd)
+                self._flush()
                 self._drain()
             if self._stop is None:
-                self._progress()
+                if self._progress():
+                    self._empty_rounds = 0
+                self._flush()
+
+    def _wait_s(self) -> float | None:
+        """How long to wait for a command before the next progress round.
+
+        Writes in flight: poll_interval_s. Only expecting notifications:
+        poll_interval_s, doubled after every EXPECT_BACKOFF_ROUNDS rounds
+        that found nothing, up to EXPECT_BACKOFF_MAX times it; a notification
+        or a command resets it. Idle: idle_progress_s.
+        """
+        if self.st.inflight:
+            return self.poll_interval_s
+        if self.expect:
+            steps = min(self._empty_rounds // EXPECT_BACKOFF_ROUNDS, EXPECT_BACKOFF_STEPS)
+            return self.poll_interval_s * (1 << steps)
+        return self.idle_progress_s
 
     def _drain(self) -> None:
         while self._stop is None:
@@ -220,6 +305,9 @@ class Worker:
             except queue.Empty:
                 return
             self._handle(cmd)
+            # Per command, not per drain: a large write's transfer() blocks
+            # for its copy, and the results before it must not wait for it.
+            self._flush()
 
     def _handle(self, cmd: Command) -> None:
         match cmd:
@@ -234,8 +322,6 @@ class Worker:
                 self._post(cmd)
             case Cancel(xid, ack):
                 self._resolve(ack, self._cancel(xid))
-            case Expect(flag):
-                self.st.expect = flag
             case Stop():
                 self._stop = cmd
 
@@ -265,7 +351,8 @@ class Worker:
             )
         return agent
 
-    def _progress(self) -> None:
+    def _progress(self) -> bool:
+        """One round: settle finished writes, collect notifications; True if any arrived."""
         agent = self.st.agent
         for xid, entry in list(self.st.inflight.items()):
             error: DataPlaneError | None = None
@@ -285,10 +372,11 @@ class Worker:
             notifs = agent.get_new_notifs()
         except Exception as exc:
             log.warning("get_new_notifs failed: %s", exc)
-            return
+            return False
         if notifs:
-            with contextlib.suppress(RuntimeError):
-                self.loop.call_soon_threadsafe(self.on_notifs, notifs)
+            self._outbox.append((self.on_notifs, notifs, None))
+            return True
+        return False
 
     def _post(self, post: Post) -> None:
         st = self.st
@@ -556,6 +644,8 @@ class Worker:
                     self._resolve(ack, "settled")
                 case Stop(fut):
                     self._resolve(fut)
+                case None:
+                    pass
 
     def _shutdown(self) -> None:
         st = self.st
@@ -596,6 +686,7 @@ class Worker:
         if self._stop is not None:
             self._resolve(self._stop.fut)
         self._refuse_queued()
+        self._flush()
 
 
 def _tighten_timer_slack() -> None:
@@ -607,6 +698,12 @@ def _tighten_timer_slack() -> None:
     with contextlib.suppress(Exception):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)  # 1 us
+
+
+def _name_thread(name: bytes) -> None:
+    """Name this OS thread (``top -H``, /proc/PID/task/TID/comm; best effort, Linux only)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
 
 
 def _wrap(exc: Exception, what: str, cls: type[DataPlaneError] = DataPlaneError) -> DataPlaneError:

@@ -23,7 +23,7 @@ import structlog
 
 from daemon import failpoints
 from daemon.dataplane.memory import RegionError
-from daemon.framing import EmptyFrame, FrameEncoder, FrameTooLarge, read_frame
+from daemon.framing import EmptyFrame, FrameReader, FrameTooLarge, FrameWriter
 from daemon.node.runtime import VERSION
 from daemon.node.serializer import KeyedSerializer
 from daemon.node.socketclaim import SocketClaim
@@ -68,12 +68,17 @@ def peer_groups(sock: socket.socket) -> tuple[int, ...]:
 
 
 class Session:
-    """One engine connection."""
+    """One engine connection.
+
+    Replies and events are encoded into the connection's :class:`FrameWriter`
+    and leave together once per loop iteration (one system call for all the
+    replies a group commit releases, say), in the order they were sent.
+    """
 
     def __init__(self, writer: asyncio.StreamWriter, pid: int, uid: int, gid: int) -> None:
         self.writer = writer
         self.pid, self.uid, self.gid = pid, uid, gid
-        self._encoder = FrameEncoder()
+        self.frames = FrameWriter(writer)
         self.closed = False
         # Requests in flight on this connection, in a safe order (see EngineServer._submit).
         self.requests = KeyedSerializer()
@@ -82,11 +87,18 @@ class Session:
         failpoints.hit("engine.reply")
         if self.closed or self.writer.is_closing():
             return
-        self.writer.write(self._encoder.encode(message))
+        self.frames.send(message)
 
     send_event = send
 
+    def flush(self) -> None:
+        """Hand what was sent to the socket now, not at the end of this loop iteration."""
+        with contextlib.suppress(Exception):
+            self.frames.flush()
+
     def close(self) -> None:
+        if not self.closed:
+            self.flush()  # what was sent before the close still leaves
         self.closed = True
         with contextlib.suppress(Exception):
             self.writer.close()
@@ -234,6 +246,7 @@ class EngineServer:
                         f"allowed_uids or one of its groups to allowed_groups",
                     )
                 )
+                session.flush()  # before the EOF that _close_refused sends
                 await _close_refused(reader, writer)
                 return
             self.sessions.add(session)
@@ -251,11 +264,14 @@ class EngineServer:
             self._tasks.discard(task)
 
     async def _loop(self, reader: asyncio.StreamReader, session: Session, clog: Any) -> None:
+        frames = FrameReader(reader)
+        transport = session.writer.transport
         while True:
-            if not await _replies_drained(session.writer):
+            # Only a transport with unsent bytes can be paused: skip the await otherwise.
+            if transport.get_write_buffer_size() and not await _replies_drained(session.writer):
                 return
             try:
-                body = await read_frame(reader, self.max_frame_bytes)
+                body = await frames.read(self.max_frame_bytes)
             except (asyncio.IncompleteReadError, ConnectionError):
                 return
             except FrameTooLarge as exc:

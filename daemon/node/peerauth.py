@@ -22,7 +22,7 @@ from typing import Final, TypeVar
 import msgspec
 import structlog
 
-from daemon.framing import PREFIX_BYTES, EmptyFrame, FrameEncoder, FrameTooLarge, read_frame
+from daemon.framing import EmptyFrame, FrameReader, FrameTooLarge, FrameWriter
 from schemas.peer import (
     PEER_PROTOCOL,
     Answer,
@@ -198,16 +198,30 @@ def parse_host_port(address: str) -> tuple[str, int]:
 
 
 class Wire:
-    """Frames in and out of one connection; knows nothing of the protocol."""
+    """Frames in and out of one connection; knows nothing of the protocol.
 
-    __slots__ = ("_encoder", "_reader", "_writer", "max_frame_bytes", "peername", "recv_limit")
+    Frames sent in one loop iteration leave together, in order, in one
+    socket write (daemon/framing.py ``FrameWriter``); frames that arrive
+    together are read with one await (``FrameReader``).
+    """
+
+    __slots__ = (
+        "_frames",
+        "_in",
+        "_reader",
+        "_writer",
+        "max_frame_bytes",
+        "peername",
+        "recv_limit",
+    )
 
     def __init__(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_frame_bytes: int
     ) -> None:
         self._reader = reader
         self._writer = writer
-        self._encoder = FrameEncoder()
+        self._frames = FrameWriter(writer)
+        self._in = FrameReader(reader)
         self.max_frame_bytes = max_frame_bytes
         self.recv_limit = min(PREAUTH_FRAME_BYTES, max_frame_bytes)  # raised after auth
         peer = writer.get_extra_info("peername")
@@ -219,12 +233,13 @@ class Wire:
 
     @property
     def buffered(self) -> int:
-        return self._writer.transport.get_write_buffer_size()
+        """Bytes sent and not yet on the socket: the transport's, and this iteration's frames."""
+        return self._writer.transport.get_write_buffer_size() + self._frames.pending
 
     async def recv(self) -> PeerMessage:
         """The next message; EOF and socket errors propagate as OSError/IncompleteReadError."""
         try:
-            body = await read_frame(self._reader, self.recv_limit)
+            body = await self._in.read(self.recv_limit)
         except (FrameTooLarge, EmptyFrame) as exc:
             raise LinkAborted(LinkReason.BAD_FRAME, str(exc)) from exc
         try:
@@ -232,18 +247,18 @@ class Wire:
         except msgspec.DecodeError as exc:  # ValidationError (unknown tag...) included
             raise LinkAborted(LinkReason.BAD_FRAME, f"undecodable peer message: {exc}") from exc
 
-    def encode(self, message: PeerMessage) -> bytearray:
-        frame = self._encoder.encode(message)
-        if len(frame) - PREFIX_BYTES > self.max_frame_bytes:
-            # The peer would refuse it and drop the link: refuse it here instead.
-            raise FrameTooLarge(len(frame) - PREFIX_BYTES, self.max_frame_bytes)
-        return frame
-
     def send(self, message: PeerMessage) -> bool:
-        frame = self.encode(message)
+        """Queue ``message``; False if the connection is closing.
+
+        A message over ``max_frame_bytes`` raises FrameTooLarge (the peer
+        would refuse it and drop the link), queued or not.
+        """
         if self.closing:
+            length = len(msgspec.msgpack.encode(message))
+            if length > self.max_frame_bytes:
+                raise FrameTooLarge(length, self.max_frame_bytes)
             return False
-        self._writer.write(frame)
+        self._frames.send(message, self.max_frame_bytes)
         return True
 
     def close(self, goodbye: Goodbye | None) -> None:
@@ -251,7 +266,8 @@ class Wire:
         transport = self._writer.transport
         if not transport.is_closing():
             if goodbye is not None:
-                self._writer.write(self._encoder.encode(goodbye))
+                self._frames.send(goodbye)
+            self._frames.flush()  # what was sent, then the goodbye, before the close
             transport.close()
             if transport.get_write_buffer_size():
                 asyncio.get_running_loop().call_later(_CLOSE_GRACE_S, transport.abort)
