@@ -108,6 +108,22 @@ class WriteFailed(_Peer, frozen=True, tag="write_failed"):
     message: str
 
 
+class Digests(_Peer, frozen=True, tag="digests"):
+    """Pusher -> receiver: checksums of a sampled request's source blocks.
+
+    Taken before the write is posted, over the blocks the trim paired (the
+    journaled ``Trimmed.src``). ``digests`` holds one little-endian uint32
+    per (group, layer, block), group by group, layer by layer, then block by
+    block in pairing order (statemachine/integrity.py); ``algorithm`` names
+    how they were computed (daemon/dataplane/digest.py).
+    """
+
+    request_id: str
+    incarnation: int
+    algorithm: str
+    digests: bytes
+
+
 class Cancel(_Peer, frozen=True, tag="cancel"):
     """Receiver -> pusher: the decode engine gave the request up."""
 
@@ -128,4 +144,5 @@ PeerMessage = (
     | WriteDone
     | WriteFailed
     | Cancel
+    | Digests
 )
