@@ -26,6 +26,7 @@ import asyncio
 import os
 import signal
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Final
@@ -33,7 +34,7 @@ from typing import Any, Final
 import pytest
 
 from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
-from daemon.sim.launcher import Daemon, daemon_pair, start_daemons
+from daemon.sim.launcher import Daemon, daemon_pair, free_port, start_daemons
 from schemas import rpc
 from schemas.events import Failed, IntegrityMismatch
 from schemas.layout import Role
@@ -61,9 +62,17 @@ def _stopped(pid: int) -> bool:
 class Pair:
     """A prefill and a decode daemon with an engine each, under one setting."""
 
-    def __init__(self, daemons: list[Daemon], pe: SimEngine, de: SimEngine) -> None:
+    def __init__(self, daemons: list[Daemon], pe: SimEngine, de: SimEngine, port: int) -> None:
         self.prefill, self.decode = daemons
         self.pe, self.de = pe, de
+        self.decode_metrics_port = port
+
+    def decode_metric(self, name: str) -> float:
+        url = f"http://127.0.0.1:{self.decode_metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+        (line,) = [x for x in text.splitlines() if x.startswith(f"{name} ")]
+        return float(line.split()[1])
 
 
 @pytest.fixture
@@ -84,9 +93,11 @@ async def start(
     tmp_path: Path, pairs: list[Pair], verify: str, env: dict[str, dict[str, str]]
 ) -> Pair:
     extra = f'[integrity]\nverify = "{verify}"'
+    port = free_port()
 
     def make() -> list[Daemon]:
         prefill, decode = daemon_pair(tmp_path, extra=extra)
+        decode.extra = f"metrics_port = {port}\n{extra}"
         prefill.env, decode.env = env.get("prefill", {}), env.get("decode", {})
         return [prefill, decode]
 
@@ -100,7 +111,7 @@ async def start(
         for daemon in daemons:
             daemon.kill()
         raise
-    pair = Pair(daemons, pe, de)
+    pair = Pair(daemons, pe, de, port)
     pairs.append(pair)
     return pair
 
@@ -167,6 +178,7 @@ async def test_a_fault_with_verification_ends_integrity_mismatch_never_kv_arrive
     assert events.index(mismatch) == events.index(failed[0]) - 1
     await finish(pair, "r1")
     assert pair.decode.status()["counters"]["integrity_mismatches"] == 1
+    assert await asyncio.to_thread(pair.decode_metric, "kvpushd_integrity_mismatches_total") == 1
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
@@ -185,6 +197,7 @@ async def test_the_same_fault_without_verification_goes_through_unnoticed(
     assert not any(isinstance(e, IntegrityMismatch | Failed) for e in events)
     await finish(pair, "r1")
     assert pair.decode.status()["counters"]["integrity_checked"] == 0
+    assert await asyncio.to_thread(pair.decode_metric, "kvpushd_integrity_mismatches_total") == 0
 
 
 async def test_a_clean_push_is_verified_and_arrives(tmp_path: Path, pairs: list[Pair]) -> None:
