@@ -23,8 +23,11 @@ catch.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Callable
@@ -146,6 +149,19 @@ async def finish(pair: Pair, rid: str) -> None:
         await wait_until(f"{daemon.node} idle", lambda d=daemon: not d.status()["live"])
 
 
+def postmortem(command: str, *args: object) -> str:
+    """``kvpushd journal COMMAND ARGS``; its standard output."""
+    done = subprocess.run(
+        [sys.executable, "-m", "daemon.cli", "journal", command, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TZ": "UTC"},
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 FAULTS: Final = {
     # name: (failpoints per daemon, hold the write, the blocks the decode journal names)
     "flip": ({"decode": {"KVPUSHD_FAILPOINTS": "integrity.flip_dst=corrupt"}}, False, [(0, 0, 40)]),
@@ -179,6 +195,19 @@ async def test_a_fault_with_verification_ends_integrity_mismatch_never_kv_arrive
     await finish(pair, "r1")
     assert pair.decode.status()["counters"]["integrity_mismatches"] == 1
     assert await asyncio.to_thread(pair.decode_metric, "kvpushd_integrity_mismatches_total") == 1
+    # The postmortem lists it as an anomaly, with its blocks, in text, JSON and HTML.
+    journals = (pair.prefill.journal, pair.decode.journal)
+    text = await asyncio.to_thread(postmortem, "replay", *journals)
+    section = text.split("integrity mismatches")[1].split("\n\n")[0]
+    g, layer, b = blocks[0]
+    assert "r1#1" in section and f"{g}/{layer}/{b}" in section, text
+    report = json.loads(await asyncio.to_thread(postmortem, "replay", *journals, "--json"))
+    (row,) = report["integrity_mismatches"]
+    assert (row["node"], row["mismatched"], row["checked"]) == ("decode", len(blocks), 8)
+    assert sorted(map(tuple, row["blocks"])) == blocks
+    html = tmp_path / "report.html"
+    await asyncio.to_thread(postmortem, "report", *journals, "-o", html)
+    assert 'id="anomaly-integrity"' in html.read_text()
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
