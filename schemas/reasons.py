@@ -85,6 +85,8 @@ REFUSAL_REASONS: frozenset[Reason] = frozenset(
         Reason.ILLEGAL_TRANSITION,
         Reason.OFFLOAD_EXHAUSTED,
         Reason.BAD_SLOT,
+        # An offload slot not zero at grant (daemon/node/integrity.py).
+        Reason.INTEGRITY_MISMATCH,
     }
 )
 

@@ -18,6 +18,10 @@ names the blocks. With ``verify = "off"`` the same fault goes through: the
 decode engine hears ``kv_arrived`` over bytes that are wrong (its own check
 of the pattern says so), which is what the integrity check is there to
 catch.
+
+Offload pools: a slot written while free is caught when it is next granted
+(the registration is refused ``integrity_mismatch`` and the slot zeroed);
+with verification off the request gets the stray bytes.
 """
 
 from __future__ import annotations
@@ -30,17 +34,22 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Final
 
+import numpy as np
 import pytest
 
+from daemon.client import EngineClient, RpcError
+from daemon.dataplane.memory import create_shm_file
 from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
 from daemon.sim.launcher import Daemon, daemon_pair, free_port, start_daemons
 from schemas import rpc
-from schemas.events import Failed, IntegrityMismatch
-from schemas.layout import Role
+from schemas.events import Failed, IntegrityMismatch, Refused
+from schemas.kvlayout import GroupSpec, LayerSpec
+from schemas.layout import GroupKind, Role
 from schemas.reasons import Reason
 
 LAYOUT: Final = [SimGroup(num_blocks=64, block_bytes=4096, layers=2)]
@@ -241,3 +250,56 @@ async def test_a_clean_push_is_verified_and_arrives(tmp_path: Path, pairs: list[
     assert counters["integrity_blocks_verified"] == 3 * 8
     assert counters["integrity_mismatches"] == 0
     assert pair.prefill.status()["counters"]["integrity_digests_sent"] == 3
+
+
+# ------------------------------------------------------------- offload slots
+
+POOL_SLOTS: Final = 4
+SLOT_BYTES: Final = 4096
+
+
+@pytest.mark.parametrize("verify", ["all", "off"])
+async def test_an_offload_slot_not_zero_at_grant_is_caught_before_use(
+    tmp_path: Path, verify: str
+) -> None:
+    # The nano-vllm class of bug: a slot that was not reset. Here the engine
+    # writes into a free slot (one no request holds), and the next grant of
+    # that slot must not hand its bytes to a request as if they were clean.
+    tag = uuid.uuid4().hex[:8]
+    data = create_shm_file(f"/dev/shm/kvpushd-test-ikv-{tag}", 16 * 4096)
+    pool = create_shm_file(f"/dev/shm/kvpushd-test-ioff-{tag}", POOL_SLOTS * SLOT_BYTES)
+    slots = np.memmap(pool.path, dtype=np.uint8, mode="r+")
+    groups = (GroupSpec(GroupKind.ATTENTION, 16, 4096, (LayerSpec(data.name),)),)
+    daemon = Daemon("solo", tmp_path, free_port(), extra=f'[integrity]\nverify = "{verify}"')
+    await asyncio.to_thread(daemon.start)
+    client = await EngineClient.connect(daemon.socket)
+    try:
+        await client.register_engine("eng", groups, (data,), offload=pool, offload_slots=POOL_SLOTS)
+        first = await client.register_request("eng", "a", Role.PUSHER, [[1]], offload_slots=1)
+        assert first.offload_slots == (0,)
+        slots[SLOT_BYTES : 2 * SLOT_BYTES][100] = 0x77  # slot 1, free, written anyway
+        if verify == "off":
+            # Nothing looks: the request is granted the slot with the stray byte in it.
+            dirty = await client.register_request("eng", "b", Role.PUSHER, [[2]], offload_slots=1)
+            assert dirty.offload_slots == (1,)
+            assert slots[SLOT_BYTES + 100] == 0x77
+            assert daemon.status()["counters"]["integrity_slots_checked"] == 0
+            return
+        with pytest.raises(RpcError) as refused:
+            await client.register_request("eng", "b", Role.PUSHER, [[2]], offload_slots=1)
+        assert refused.value.code == "integrity_mismatch"
+        assert "[1]" in str(refused.value)
+        # The slot was zeroed on the spot: registering again gets it clean.
+        clean = await client.register_request("eng", "b", Role.PUSHER, [[2]], offload_slots=1)
+        assert clean.offload_slots == (1,)
+        assert not slots[SLOT_BYTES : 2 * SLOT_BYTES].any()
+        counters = daemon.status()["counters"]
+        assert (counters["integrity_dirty_slots"], counters["integrity_slots_checked"]) == (1, 3)
+        refusals = [e for e in daemon.journal_events("b") if isinstance(e, Refused)]
+        assert [r.reason for r in refusals] == [Reason.INTEGRITY_MISMATCH]
+    finally:
+        await client.close()
+        assert await asyncio.to_thread(daemon.stop) == 0, daemon.logs()
+        del slots
+        for spec in (data, pool):
+            os.unlink(spec.path)

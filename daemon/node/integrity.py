@@ -22,6 +22,13 @@ request, so the decode engine hears ``request_failed`` and never
 pusher's ``write_done`` without digests before it (a reconnect lost them)
 fails the request, as does the deadline if neither comes.
 
+Offload pools (:meth:`Integrity.check_slots`): when a checked request is
+granted offload slots, each must still be zero, as the pool left it when it
+was released (invariant 5). A slot that is not (an engine wrote into a slot
+it no longer held, say) is zeroed there and then, and the registration is
+refused ``integrity_mismatch``: caught before the request uses it, not after
+the wrong token; the engine's next registration gets a clean slot.
+
 Large checksums run in a thread (crc32c drops the GIL), so the loop keeps
 serving while a big push is read.
 """
@@ -37,9 +44,10 @@ from daemon import failpoints
 from daemon.dataplane import digest
 from daemon.dataplane.errors import DataPlaneError
 from schemas import peer as pm
-from schemas.events import Blocks, Event
+from schemas.events import Blocks, Event, Registered
 from schemas.reasons import Reason
 from schemas.state import RequestRecord
+from statemachine import Refusal
 from statemachine.integrity import mismatches, sampled
 from statemachine.reactions import Stimulus, Why, awaiting_data
 
@@ -69,6 +77,8 @@ class Integrity:
             "integrity_mismatches",
             "integrity_unchecked",
             "integrity_digests_sent",
+            "integrity_slots_checked",
+            "integrity_dirty_slots",
         ):
             node.counters[name] = 0
 
@@ -88,6 +98,33 @@ class Integrity:
         if digest.block_bytes(engine.spec, blocks) <= INLINE_BYTES:
             return digest.digests(engine.spec, engine.regions, blocks)
         return await asyncio.to_thread(digest.digests, engine.spec, engine.regions, blocks)
+
+    # ---------------------------------------------------------- offload pool
+
+    def check_slots(self, engine: EngineState, event: Registered) -> None:
+        """Refuse (``Refusal``) a checked request's grant of a slot that is not zero."""
+        pool = engine.offload
+        if not event.offload_slots or pool is None or not self.checks(event.request_id):
+            return
+        node = self.node
+        node.counters["integrity_slots_checked"] += len(event.offload_slots)
+        dirty = [slot for slot in event.offload_slots if pool.slot_view(slot).any()]
+        if not dirty:
+            return
+        for slot in dirty:  # free (the core never grants a busy one): nobody's data
+            pool.slot_view(slot).fill(0)
+        node.counters["integrity_dirty_slots"] += len(dirty)
+        log.error(
+            "offload slots not zero at grant",
+            request_id=event.request_id,
+            engine_id=engine.spec.engine_id,
+            slots=dirty,
+        )
+        raise Refusal(
+            Reason.INTEGRITY_MISMATCH,
+            f"offload slots {dirty} of engine {engine.spec.engine_id} were not zero when "
+            "granted (written after their release?); zeroed now, register again",
+        )
 
     # --------------------------------------------------------------- pusher
 

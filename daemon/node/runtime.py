@@ -351,6 +351,7 @@ class Node:
             self.engines.unavailable_slots(engine),
         )
         self._check_fits(event)
+        self.integrity.check_slots(engine, event)
         self.engines.take_offload(engine, event)
         try:
             registered = self.ledger.commit([event], Cause.ENGINE)
