@@ -128,21 +128,24 @@ async def start(
     return pair
 
 
-async def push(pair: Pair, rid: str, *, hold: bool = False) -> rpc.Event:
+async def push(pair: Pair, rid: str, *, hold: bool = False, dst: Any = DST) -> rpc.Event:
     """Register both sides and let the write go; the decode engine's outcome."""
     pe, de = pair.pe, pair.de
-    expect = Expectation(pe.engine_id, tail_pairs(pe.layout, SRC, de.layout, DST))
-    await de.decode_register(rid, DST, "prefill", expect=expect)
-    await pe.prefill(rid, SRC)
+    expect = Expectation(pe.engine_id, tail_pairs(pe.layout, SRC, de.layout, dst))
+    await de.decode_register(rid, dst, "prefill", expect=expect)
+    await pe.prefill(rid, SRC, kv_ready=not hold)
     if hold:
-        # The prefill daemon stopped itself at nixl.post: its checksums are
-        # taken, the WRITE not yet posted. The engine now rewrites a source
-        # block that the trim pairs (the last one), then the daemon resumes.
+        # kv_ready starts the write; the prefill daemon stops itself at
+        # nixl.post with its checksums taken and the WRITE not yet posted
+        # (before it answers kv_ready). The engine now rewrites a source block
+        # that the trim pairs (the last one), then the daemon resumes.
+        ready = asyncio.ensure_future(pe.kv_ready(rid))
         proc = pair.prefill.proc
         assert proc is not None
         await wait_until("the prefill daemon holds its write", lambda: _stopped(proc.pid))
         pe.view.block(0, 1, SRC[0][-1])[:64] ^= 0x5A
         os.kill(proc.pid, signal.SIGCONT)
+        await ready
     outcome = await de.wait_event(rid, OUTCOMES, timeout=20)
     assert outcome is not None
     return outcome
@@ -245,11 +248,16 @@ async def test_a_clean_push_is_verified_and_arrives(tmp_path: Path, pairs: list[
         assert isinstance(outcome, rpc.KvArrived), outcome
         assert pair.de.reports[(rid, 1)].ok, pair.de.reports[(rid, 1)].problems()
         await finish(pair, rid)
+    # A full prefix hit writes nothing: its (empty) digests still come, and
+    # nothing is compared, so the receiver never waits for a notification.
+    outcome = await push(pair, "full", dst=[[]])
+    assert isinstance(outcome, rpc.KvArrived), outcome
+    await finish(pair, "full")
     counters = pair.decode.status()["counters"]
     assert counters["integrity_checked"] == 3
     assert counters["integrity_blocks_verified"] == 3 * 8
     assert counters["integrity_mismatches"] == 0
-    assert pair.prefill.status()["counters"]["integrity_digests_sent"] == 3
+    assert pair.prefill.status()["counters"]["integrity_digests_sent"] == 4
 
 
 # ------------------------------------------------------------- offload slots

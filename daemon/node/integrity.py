@@ -4,13 +4,16 @@ Which requests are checked is the core's pure rule
 (``statemachine.integrity.sampled``: the request id and ``[integrity]``),
 so both daemons agree without a word.
 
-Pusher (:meth:`Integrity.before_write`): once ``write_started`` is durable
-and before the WRITE is posted, the checksums of the trimmed source blocks
-(``daemon/dataplane/digest.py``) go to the receiver's daemon in a
-``Digests`` message, with the destination blocks they are for. They are
-data about the bytes, not a claim about the request's state, so they travel
-beside the ledger's notices, as the WRITE itself does; the ``writing``
-notice, sent when ``write_started`` is durable, is ahead of them on the link.
+Pusher (:meth:`Integrity.before_write`, :meth:`Integrity.send`): before
+the WRITE is posted, the checksums of the trimmed source blocks
+(``daemon/dataplane/digest.py``) are taken; once ``write_started`` is
+durable they go to the receiver's daemon in a ``Digests`` message, with the
+destination blocks they are for, right behind the ``writing`` notice and
+ahead of ``write_done`` on the link. They are data about the bytes, not a
+claim about the request's state, so they travel beside the ledger's
+notices (as the WRITE itself does), but never before the record they
+follow is durable. A push that writes nothing (a full prefix hit) sends
+empty digests, so its receiver does not wait for any.
 
 Receiver (:meth:`Integrity.landed`): before a checked request's data
 landing (the NIXL notification, or the pusher's ``write_done``) is reacted
@@ -128,21 +131,27 @@ class Integrity:
 
     # --------------------------------------------------------------- pusher
 
-    async def before_write(self, record: RequestRecord) -> None:
-        """Pusher: send the digests of a checked request's source blocks to its peer."""
+    async def before_write(self, record: RequestRecord) -> pm.Digests | None:
+        """Pusher: the digests of a checked request's source blocks (None: not checked).
+
+        Taken before the WRITE is posted; :meth:`send` sends them once
+        ``write_started`` is durable.
+        """
         if not self.checks(record.request_id):
-            return
-        node = self.node
-        engine = node.engines.by_id.get(record.engine_id)
+            return None
+        engine = self.node.engines.by_id.get(record.engine_id)
         assert record.src is not None and record.dst is not None
         if engine is None:
             raise DataPlaneError(f"engine {record.engine_id} is gone", code="unknown_engine")
         algorithm, data = digest.UNCHECKED, b""
         if digest.supported(engine.spec, engine.regions):
             algorithm, data = digest.ALGORITHM, await self._digests(engine, record.src)
-        message = pm.Digests(record.request_id, record.incarnation, algorithm, data, record.dst)
-        if node.peers.tell_peer(record.peer, message):
-            node.counters["integrity_digests_sent"] += 1
+        return pm.Digests(record.request_id, record.incarnation, algorithm, data, record.dst)
+
+    def send(self, record: RequestRecord, message: pm.Digests | None) -> None:
+        """Pusher: ``write_started`` is durable; the receiver's daemon gets the digests."""
+        if message is not None and self.node.peers.tell_peer(record.peer, message):
+            self.node.counters["integrity_digests_sent"] += 1
 
     def wire_src(self, record: RequestRecord) -> Blocks:
         """The source blocks handed to NIXL: the trimmed ``src``, unless the
@@ -164,8 +173,7 @@ class Integrity:
             return
         self.expected[key] = message
         if key in self.waiting:
-            self.waiting.discard(key)
-            current = await self.landed(record, final=False)
+            current = await self._verified(record, final=False)
             if current is not None:
                 await self.node.react(current, Stimulus.DATA_LANDED, failpoint="node.kv_arrived")
 
@@ -175,16 +183,22 @@ class Integrity:
         Returns the record to react to (checked and equal, not checked, or
         failed meanwhile), or None when the reaction must wait for digests.
         """
-        node = self.node
         if not awaiting_data(record):
             return record
         key = (record.request_id, record.incarnation)
-        engine = node.engines.by_id.get(record.engine_id)
-        if engine is not None and failpoints.corrupts("integrity.flip_dst"):
+        engine = self.node.engines.by_id.get(record.engine_id)
+        first = key not in self.waiting  # not a data landing already waiting for digests
+        if first and engine is not None and failpoints.corrupts("integrity.flip_dst"):
             group = next(g for g, ids in enumerate(record.blocks) if ids)
             digest.flip_byte(engine.spec, engine.regions, group, record.blocks[group][0])
-        if not self.checks(record.request_id):
-            return record
+        return await self._verified(record, final=final)
+
+    async def _verified(self, record: RequestRecord, *, final: bool) -> RequestRecord | None:
+        node = self.node
+        key = (record.request_id, record.incarnation)
+        engine = node.engines.by_id.get(record.engine_id)
+        if not self.checks(record.request_id) or not any(record.blocks):
+            return record  # not checked, or nothing to check (a full prefix hit)
         message = self.expected.get(key)
         if message is None:
             if not final:
@@ -197,6 +211,7 @@ class Integrity:
             )
             await node.react(record, Stimulus.FAILURE, why)
             return node.current(*key)
+        self.waiting.discard(key)
         if engine is None:
             return record  # gone: the engine hears nothing either way
         found = await self._compare(engine, record, message)

@@ -155,7 +155,7 @@ class Transfers:
         posting: asyncio.Task[WriteResult] | None = None
         gone: PeerGone | None = None
         try:
-            await node.integrity.before_write(record)  # checksums, before anything is posted
+            digests = await node.integrity.before_write(record)  # before anything is posted
             peer = node.peers.states.get(record.peer)
             if n_blocks and (
                 peer is None or not peer.agent_name or not node.peers.is_up(record.peer)
@@ -183,6 +183,7 @@ class Transfers:
                 )
             # The peer hears "writing" (and a failure follows it) only once durable.
             await started
+            node.integrity.send(record, digests)
             if gone is not None:
                 raise gone
             if posting is not None:
