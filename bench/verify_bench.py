@@ -49,8 +49,10 @@ from bench.results import write_section
 from daemon.dataplane import digest
 from daemon.dataplane.memory import create_shm_file, map_dram_region
 from daemon.sim.launcher import Daemon, start_pair
+from schemas.config import VerifyMode
 from schemas.kvlayout import EngineSpec, GroupSpec, LayerSpec
 from schemas.layout import GroupKind
+from statemachine.integrity import sampled
 
 KIB = 1024
 DIGEST_BLOCKS = (4 * KIB, 64 * KIB, MIB)
@@ -162,6 +164,7 @@ class Side:
         self.o = o
         self.ids = 0
         self.push: tuple[BenchEngine, BenchEngine] | None = None
+        self.timed: list[str] = []  # ids of the timed pushes
         self.small: tuple[BenchEngine, BenchEngine] | None = None
 
     def rid(self, tag: str) -> str:
@@ -192,9 +195,11 @@ class Side:
         blocks = list(range(p.blocks))
         seconds = []
         for run in range(self.o.runs + 1):  # run 0 warms up
-            _, t_kv, _, end = await one_request(p, d, self.rid("push"), blocks, blocks)
+            rid = self.rid("push")
+            _, t_kv, _, end = await one_request(p, d, rid, blocks, blocks)
             if run:
                 seconds.append(end - t_kv)
+                self.timed.append(rid)
         dst, src = d.memory(), p.memory()
         same = np.array_equal(dst[:: 4 * KIB + 1], src[:: 4 * KIB + 1])
         del dst, src
@@ -230,8 +235,12 @@ class Side:
         return out
 
     def checked(self) -> str:
-        """Requests the decode daemon compared checksums for, of all this side made."""
-        return f"{self.decode.status()['counters']['integrity_checked']} of {self.ids}"
+        """Requests the decode daemon compared checksums for, of all this side made;
+        and how many of the timed pushes were among those chosen."""
+        verify = VerifyMode(self.setting)
+        pushes = sum(sampled(rid, verify, RATE) for rid in self.timed)
+        made = self.decode.status()["counters"]["integrity_checked"]
+        return f"{made} of {self.ids} ({pushes} of {len(self.timed)} timed pushes)"
 
 
 def _extra(setting: str) -> str:

@@ -74,6 +74,10 @@ class Integrity:
         # the requests whose data landed before their digests did.
         self.expected: dict[_Key, pm.Digests] = {}
         self.waiting: set[_Key] = set()
+        # Checks in progress: the notification and the pusher's write_done
+        # may both ask while a large check runs in its thread; the second
+        # waits for the first instead of reading the blocks again.
+        self.running: dict[_Key, asyncio.Future[None]] = {}
         for name in (
             "integrity_checked",
             "integrity_blocks_verified",
@@ -214,20 +218,29 @@ class Integrity:
         self.waiting.discard(key)
         if engine is None:
             return record  # gone: the engine hears nothing either way
-        found = await self._compare(engine, record, message)
-        current = node.current(*key)
-        if found is None or current is None:
-            return current
-        node.counters["integrity_mismatches"] += 1
-        log.warning(
-            "integrity mismatch",
-            request_id=record.request_id,
-            incarnation=record.incarnation,
-            blocks=len(found.blocks),
-            checked=found.num_blocks,
-        )
-        await node.react(current, Stimulus.INTEGRITY_MISMATCH, found)
-        return node.current(*key)
+        running = self.running.get(key)
+        if running is not None:
+            await running  # the other check failed the request, or found it equal
+            return node.current(*key)
+        self.running[key] = done = asyncio.get_running_loop().create_future()
+        try:
+            found = await self._compare(engine, record, message)
+            current = node.current(*key)
+            if found is None or current is None:
+                return current
+            node.counters["integrity_mismatches"] += 1
+            log.warning(
+                "integrity mismatch",
+                request_id=record.request_id,
+                incarnation=record.incarnation,
+                blocks=len(found.blocks),
+                checked=found.num_blocks,
+            )
+            await node.react(current, Stimulus.INTEGRITY_MISMATCH, found)
+            return node.current(*key)
+        finally:
+            del self.running[key]
+            done.set_result(None)
 
     async def _compare(
         self, engine: EngineState, record: RequestRecord, message: pm.Digests
