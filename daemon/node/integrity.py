@@ -6,7 +6,8 @@ so both daemons agree without a word.
 
 Pusher (:meth:`Integrity.before_write`, :meth:`Integrity.send`): before
 the WRITE is posted, the checksums of the trimmed source blocks
-(``daemon/dataplane/digest.py``) are taken; once ``write_started`` is
+(``daemon/dataplane/digest.py``: crc32c over DRAM, wsum32 on the device
+for VRAM) are taken; once ``write_started`` is
 durable they go to the receiver's daemon in a ``Digests`` message, with the
 destination blocks they are for, right behind the ``writing`` notice and
 ahead of ``write_done`` on the link. They are data about the bytes, not a
@@ -101,10 +102,11 @@ class Integrity:
             self.expected.pop(key, None)
             self.waiting.discard(key)
 
-    async def _digests(self, engine: EngineState, blocks: Blocks) -> bytes:
-        if digest.block_bytes(engine.spec, blocks) <= INLINE_BYTES:
-            return digest.digests(engine.spec, engine.regions, blocks)
-        return await asyncio.to_thread(digest.digests, engine.spec, engine.regions, blocks)
+    async def _digests(self, engine: EngineState, blocks: Blocks, algorithm: str) -> bytes:
+        spec, regions = engine.spec, engine.regions
+        if digest.block_bytes(spec, blocks) <= INLINE_BYTES:
+            return digest.digests(spec, regions, blocks, algorithm)
+        return await asyncio.to_thread(digest.digests, spec, regions, blocks, algorithm)
 
     # ---------------------------------------------------------- offload pool
 
@@ -147,9 +149,9 @@ class Integrity:
         assert record.src is not None and record.dst is not None
         if engine is None:
             raise DataPlaneError(f"engine {record.engine_id} is gone", code="unknown_engine")
-        algorithm, data = digest.UNCHECKED, b""
-        if digest.supported(engine.spec, engine.regions):
-            algorithm, data = digest.ALGORITHM, await self._digests(engine, record.src)
+        algorithm, data = digest.algorithm_for(engine.spec, engine.regions), b""
+        if algorithm != digest.UNCHECKED:
+            data = await self._digests(engine, record.src, algorithm)
         return pm.Digests(record.request_id, record.incarnation, algorithm, data, record.dst)
 
     def send(self, record: RequestRecord, message: pm.Digests | None) -> None:
@@ -257,12 +259,10 @@ class Integrity:
             text = "the pusher's digests are for blocks this request does not hold"
             every = tuple(mismatches(b"", b"", dst, layers))
             return Why(Reason.INTEGRITY_MISMATCH, text, 0, 0, every)
-        if message.algorithm != digest.ALGORITHM or not digest.supported(
-            engine.spec, engine.regions
-        ):
+        if not digest.can_compute(engine.spec, engine.regions, message.algorithm):
             node.counters["integrity_unchecked"] += 1
             return None
-        actual = await self._digests(engine, dst)
+        actual = await self._digests(engine, dst, message.algorithm)
         node.counters["integrity_checked"] += 1
         listed = mismatches(message.digests, actual, dst, layers)
         checked = len(actual) // 4
