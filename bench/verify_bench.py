@@ -14,7 +14,9 @@
    setting: a push of ``--total-mib`` in 64 KiB blocks (kv_ready ->
    KvArrived + BlocksFreeable, the median of ``--runs`` after a warm-up);
    one 4 KiB request alone, p50 and p99 (kv_ready -> both events); the full
-   lifecycle rate of one-block requests, 32 in flight. A ratio to "off" is
+   lifecycle rate of one-block requests, 32 in flight, and the CPU both
+   daemons spent per lifecycle (from /proc: steadier than a rate on a
+   shared machine). A ratio to "off" is
    taken within each round first; the table gives the median and the
    min-max over the rounds.
 
@@ -48,7 +50,7 @@ from bench.nixl_bare import MIB
 from bench.results import write_section
 from daemon.dataplane import digest
 from daemon.dataplane.memory import create_shm_file, map_dram_region
-from daemon.sim.launcher import Daemon, start_pair
+from daemon.sim.launcher import Daemon, cpu_seconds, start_pair
 from schemas.config import VerifyMode
 from schemas.kvlayout import EngineSpec, GroupSpec, LayerSpec
 from schemas.layout import GroupKind
@@ -231,8 +233,16 @@ class Side:
         out = {"push": await self.push_gbs()}
         _, lone = await self.lifecycles(self.o.single, 1)
         out["p50"], out["p99"] = pct(lone, 50), pct(lone, 99)
+        before = self.cpu()
         out["rate"], _ = await self.lifecycles(self.o.requests, IN_FLIGHT)
+        after = self.cpu()
+        out["cpu"] = sum(after.values()) - sum(before.values())
+        out["cpu"] /= self.o.requests
         return out
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds (user + system, all threads) of each daemon so far."""
+        return {d.node: cpu_seconds(d.proc.pid) for d in (self.prefill, self.decode) if d.proc}
 
     def checked(self) -> str:
         """Requests the decode daemon compared checksums for, of all this side made;
@@ -328,6 +338,11 @@ def daemon_table(o: Options, rounds: dict[str, list[dict]], checked: dict[str, s
             lambda s: spread(col(s, "rate"), lambda v: f"{v:,.0f}"),
         ),
         ("lifecycle rate vs off (per round)", lambda s: spread(vs_off(s, "rate"), x)),
+        (
+            "CPU per lifecycle, both daemons (user + system, all threads), ms",
+            lambda s: spread(col(s, "cpu"), lambda v: f"{v * 1e3:.3f}"),
+        ),
+        ("CPU per lifecycle vs off (per round)", lambda s: spread(vs_off(s, "cpu"), x)),
         ("one 4 KiB request alone, p50, ms", lambda s: spread(col(s, "p50"), ms)),
         ("one 4 KiB request alone, p99, ms", lambda s: spread(col(s, "p99"), ms)),
         ("added p50 vs off (per round), ms", lambda s: spread(minus_off(s, "p50"), ms)),

@@ -102,6 +102,8 @@ VERIFY_BENCH_ROWS = [
     "push throughput vs off",
     "lifecycle rate, one-block requests",
     "lifecycle rate vs off",
+    "CPU per lifecycle, both daemons",
+    "CPU per lifecycle vs off",
     "one 4 KiB request alone, p50",
     "one 4 KiB request alone, p99",
     "added p50 vs off",
