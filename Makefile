@@ -65,13 +65,15 @@ lint: $(STAMP)
 # replaces its own section. The issue-14 table: core_bench (replay through the
 # core), replay_bench (two-node postmortem), daemon_bench (daemon and bare
 # NIXL interleaved: pushes, lifecycle rate and CPU, added latency, idle CPU);
-# profile_lifecycle says where a lifecycle's CPU goes. Run on an idle machine.
+# profile_lifecycle says where a lifecycle's CPU goes; verify_bench (issue 15)
+# what end-to-end checksums cost. Run on an idle machine.
 bench: $(STAMP)
 	$(BIN)/python -m bench.journal_bench
 	$(BIN)/python -m bench.core_bench
 	$(BIN)/python -m bench.replay_bench
 	$(BIN)/python -m bench.nixl_bare
 	$(BIN)/python -m bench.daemon_bench
+	$(BIN)/python -m bench.verify_bench
 	$(BIN)/python -m bench.profile_lifecycle
 
 # KvpushdConnector beside vLLM's NixlPushConnector on real vLLM (~6 min here).

@@ -22,6 +22,11 @@ Actions:
     Block the calling thread for S seconds (a stalled disk or event loop).
 ``stop``
     SIGSTOP this process (a frozen process, resumed by SIGCONT from outside).
+``corrupt``
+    Only at points marked ``corrupts`` below, and the only action there: the
+    code at the point damages what it names (a KV byte, a block list), to
+    show that the integrity check catches it. Such a point is passed with
+    :func:`corrupts`, which says whether to damage now.
 
 ``@N`` fires the action on the Nth hit of that point only (hits count from 1
 in each process); without it the action fires on every hit. Before a
@@ -56,6 +61,7 @@ class Point:
 
     where: str
     io: bool  # an OSError raised here is handled as the real syscall failing
+    corrupts: bool = False  # a ``corrupt`` point: passed with corrupts(), not hit()
 
 
 # Every failpoint in the daemon, with where it is. Keep in step with the
@@ -115,10 +121,22 @@ POINTS: Final[Mapping[str, Point]] = MappingProxyType(
         "engine.reply": Point(
             "engine_server Session.send: before a reply or event frame to an engine", io=False
         ),
+        "integrity.flip_dst": Point(
+            "Integrity.landed (daemon/node/integrity.py): the receiver heard the data "
+            "landed; flip one byte of its first destination block before any check",
+            io=False,
+            corrupts=True,
+        ),
+        "integrity.shift_src": Point(
+            "Integrity.wire_src (daemon/node/integrity.py): the pusher hands NIXL the "
+            "front of its blocks instead of the trimmed tail (a planted front-trim)",
+            io=False,
+            corrupts=True,
+        ),
     }
 )
 
-ACTIONS: Final = ("crash", "error", "enospc", "sleep", "stop")
+ACTIONS: Final = ("crash", "error", "enospc", "sleep", "stop", "corrupt")
 
 
 @dataclass(slots=True)
@@ -180,6 +198,11 @@ def _parse_action(name: str, text: str) -> Failpoint:
             raise ValueError(f"{ENV}: {name}={text}: sleep must be 0..3600 s")
     if kind in ("error", "enospc") and not POINTS[name].io:
         raise ValueError(f"{ENV}: {name} does no I/O; {kind} is only for io points")
+    if (kind == "corrupt") != POINTS[name].corrupts:
+        raise ValueError(
+            f"{ENV}: {name}={text}: corrupt is the only action of a corrupting point,"
+            " and only there"
+        )
     return Failpoint(name, kind, seconds, nth)
 
 
@@ -204,6 +227,14 @@ def hit(name: str) -> None:
     point = _ARMED.get(name)
     if point is not None:
         _fire(point)
+
+
+def corrupts(name: str) -> bool:
+    """Pass the corrupting point ``name``: True when the code there must damage now."""
+    if not _ARMED:
+        return False
+    point = _ARMED.get(name)
+    return point is not None and point.fires(point.count())
 
 
 def _fire(point: Failpoint) -> None:

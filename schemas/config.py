@@ -39,6 +39,23 @@ class FsyncPolicy(enum.StrEnum):
     NEVER = "never"
 
 
+class VerifyMode(enum.StrEnum):
+    OFF = "off"
+    SAMPLE = "sample"  # requests chosen by their id at `sample_rate`
+    ALL = "all"
+
+
+class IntegrityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """End-to-end checksums of pushed blocks (README.md, "Integrity").
+
+    Both daemons of a pair must agree: each decides from the request id
+    alone whether a request is checked (statemachine/integrity.py).
+    """
+
+    verify: VerifyMode = VerifyMode.SAMPLE
+    sample_rate: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.01
+
+
 class PeerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     node: str
     address: str  # host:port of the peer's listen address (port checked in daemon/config.py)
@@ -106,3 +123,4 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     deadlines: Deadlines = Deadlines()
     nixl: NixlConfig = NixlConfig()
     limits: LimitsConfig = LimitsConfig()
+    integrity: IntegrityConfig = IntegrityConfig()

@@ -131,6 +131,21 @@ class Released(_RequestEvent, frozen=True, tag="released"):
     pass
 
 
+class IntegrityMismatch(_RequestEvent, frozen=True, tag="integrity_mismatch"):
+    """Receiver side: bytes that landed differ from the pusher's checksums.
+
+    Journaled with the ``Failed(integrity_mismatch)`` it explains, before the
+    decode engine hears of the data. ``checked`` block checksums were
+    compared and ``mismatched`` of them differed; ``blocks`` names the first
+    of those (statemachine/integrity.py ``MAX_LISTED``) as (group, layer,
+    destination kernel block).
+    """
+
+    checked: int
+    mismatched: int
+    blocks: tuple[tuple[int, int, int], ...]
+
+
 class Refused(_RequestEvent, frozen=True, tag="refused"):
     """A message about a request was refused; no state changed.
 
@@ -157,6 +172,7 @@ Event = (
     | ReleaseDeferred
     | Released
     | Refused
+    | IntegrityMismatch
 )
 
 RequestEvent = (
@@ -171,6 +187,7 @@ RequestEvent = (
     | ReleaseDeferred
     | Released
     | Refused
+    | IntegrityMismatch
 )
 
 

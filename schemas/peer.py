@@ -108,6 +108,25 @@ class WriteFailed(_Peer, frozen=True, tag="write_failed"):
     message: str
 
 
+class Digests(_Peer, frozen=True, tag="digests"):
+    """Pusher -> receiver: checksums of a sampled request's source blocks.
+
+    Taken before the write is posted, over the blocks the trim paired (the
+    journaled ``Trimmed.src``), for the receiver's blocks ``dst``
+    (``Trimmed.dst``). ``digests`` holds one little-endian uint32 per
+    (group, layer, block), group by group, layer by layer, then block by
+    block in pairing order (statemachine/integrity.py); ``algorithm`` names
+    how they were computed (daemon/dataplane/digest.py), ``"none"`` when the
+    pusher could not (the request goes unchecked).
+    """
+
+    request_id: str
+    incarnation: int
+    algorithm: str
+    digests: bytes
+    dst: tuple[tuple[int, ...], ...]
+
+
 class Cancel(_Peer, frozen=True, tag="cancel"):
     """Receiver -> pusher: the decode engine gave the request up."""
 
@@ -128,4 +147,5 @@ PeerMessage = (
     | WriteDone
     | WriteFailed
     | Cancel
+    | Digests
 )

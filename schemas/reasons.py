@@ -50,6 +50,9 @@ class Reason(enum.StrEnum):
     TRANSFER_ERROR = "transfer_error"
     DAEMON_RESTART = "daemon_restart"
     REFUSED_BY_PEER = "refused_by_peer"
+    # The receiver's checksums of the blocks that landed differ from the
+    # pusher's checksums of its source blocks (verify, ARCHITECTURE.md).
+    INTEGRITY_MISMATCH = "integrity_mismatch"
 
 
 # Which reasons each journaled event can carry, for the metric families that
@@ -82,6 +85,8 @@ REFUSAL_REASONS: frozenset[Reason] = frozenset(
         Reason.ILLEGAL_TRANSITION,
         Reason.OFFLOAD_EXHAUSTED,
         Reason.BAD_SLOT,
+        # An offload slot not zero at grant (daemon/node/integrity.py).
+        Reason.INTEGRITY_MISMATCH,
     }
 )
 
@@ -97,6 +102,7 @@ FAILURE_REASONS: frozenset[Reason] = frozenset(
         Reason.TRANSFER_ERROR,
         Reason.DAEMON_RESTART,
         Reason.REFUSED_BY_PEER,
+        Reason.INTEGRITY_MISMATCH,
         Reason.UNKNOWN_ENGINE,
         Reason.GROUP_COUNT_MISMATCH,
         Reason.DECODE_LONGER_THAN_PREFILL,

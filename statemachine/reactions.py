@@ -26,6 +26,7 @@ from typing import Final, NamedTuple
 
 from schemas.events import (
     Failed,
+    IntegrityMismatch,
     PeerSettled,
     Released,
     ReleaseDeferred,
@@ -36,6 +37,7 @@ from schemas.events import (
 from schemas.layout import Role
 from schemas.reasons import Reason
 from schemas.state import Deadlines, PendingPeer, RequestRecord, State
+from statemachine.integrity import MAX_LISTED
 from statemachine.transitions import (
     DONE,
     FAILED,
@@ -78,6 +80,8 @@ class Stimulus(enum.Enum):
     QUARANTINE_LIFTED = "quarantine_lifted"  # a deferred release may now be carried out
     WRITE_COMPLETED = "write_completed"  # pusher: NIXL reported the WRITE done
     FAILURE = "failure"  # this daemon gave up (trim refused, transfer error, engine gone, drain)
+    # receiver: the blocks that landed differ from the pusher's digests
+    INTEGRITY_MISMATCH = "integrity_mismatch"
 
     __hash__ = object.__hash__  # as Cause's
 
@@ -101,17 +105,23 @@ _CAUSES: Final = MappingProxyType(
         Stimulus.QUARANTINE_LIFTED: Cause.DAEMON,
         Stimulus.WRITE_COMPLETED: Cause.DAEMON,
         Stimulus.FAILURE: Cause.DAEMON,
+        Stimulus.INTEGRITY_MISMATCH: Cause.DAEMON,
     }
 )
 
 
 class Why(NamedTuple):
-    """The reason and words a ``Failed`` carries, and a peer's write figures."""
+    """The reason and words a ``Failed`` carries, and a peer's write figures.
+
+    For an integrity mismatch, ``num_blocks`` is how many block digests were
+    compared and ``blocks`` every (group, layer, block) that differed.
+    """
 
     reason: Reason = Reason.ABORTED
     message: str = ""
     num_blocks: int = 0
     nbytes: int = 0
+    blocks: tuple[tuple[int, int, int], ...] = ()
 
 
 def awaiting_data(record: RequestRecord) -> bool:
@@ -218,6 +228,16 @@ def release_if_due(r: RequestRecord, why: Why) -> list[RequestEvent]:
     return []
 
 
+def integrity_failed(r: RequestRecord, why: Why) -> list[RequestEvent]:
+    """The mismatching blocks on record, then the failure they cause."""
+    rid, inc = r.request_id, r.incarnation
+    listed = why.blocks[:MAX_LISTED]
+    return [
+        IntegrityMismatch(rid, inc, why.num_blocks, len(why.blocks), listed),
+        Failed(rid, inc, Reason.INTEGRITY_MISMATCH, why.message),
+    ]
+
+
 def fail_naming_state(r: RequestRecord, why: Why) -> list[RequestEvent]:
     return fail(r, why._replace(message=f"{why.message} in state {r.state.value}"))
 
@@ -291,6 +311,10 @@ REACTIONS: Final[Mapping[Stimulus, Mapping[tuple[Role, State], _Reaction]]] = Ma
                                (PUSHER,   WRITING):      fail,
                                (RECEIVER, REGISTERED):   fail,
                                (RECEIVER, WRITING):      fail},
+    # Checked before the decode engine hears of the data: never kv_arrived.
+    Stimulus.INTEGRITY_MISMATCH: {
+                               (RECEIVER, REGISTERED):   integrity_failed,
+                               (RECEIVER, WRITING):      integrity_failed},
     Stimulus.QUARANTINE_LIFTED: {
                                (PUSHER,   DONE):         release_if_due,
                                (PUSHER,   FAILED):       release_if_due,
@@ -315,6 +339,9 @@ DEFAULT_WHY: Final[Mapping[Stimulus, Why]] = MappingProxyType(
         ),
         Stimulus.DEADLINE: Why(Reason.DEADLINE_EXCEEDED, "deadline passed"),
         Stimulus.RESTART: Why(Reason.DAEMON_RESTART, "daemon restarted"),
+        Stimulus.INTEGRITY_MISMATCH: Why(
+            Reason.INTEGRITY_MISMATCH, "the blocks that landed differ from the pusher's"
+        ),
     }
 )
 

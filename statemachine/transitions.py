@@ -24,6 +24,7 @@ import msgspec
 
 from schemas.events import (
     Failed,
+    IntegrityMismatch,
     KvReady,
     PeerRegistered,
     PeerSettled,
@@ -67,8 +68,10 @@ TRANSITIONS: Final = _frozen({
 
     (RECEIVER, REGISTERED): {WriteStarted:     WRITING,
                              WriteDone:        DONE,
+                             IntegrityMismatch: REGISTERED,
                              Failed:           FAILED},
     (RECEIVER, WRITING):    {WriteDone:        DONE,
+                             IntegrityMismatch: WRITING,
                              Failed:           FAILED},
     (RECEIVER, DONE):       {Released:         RELEASED},
     (RECEIVER, FAILED):     {PeerSettled:      FAILED,
@@ -204,6 +207,7 @@ SETTERS: Final[Mapping[type, _Setter]] = MappingProxyType(
         PeerSettled: _set_settled,
         ReleaseDeferred: _set_release_pending,
         Released: _set_nothing,
+        IntegrityMismatch: _set_nothing,
     }
 )
 

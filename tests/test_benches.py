@@ -117,3 +117,37 @@ def test_handoff_micro_prints_each_mechanism() -> None:
     for what in ("call_soon_threadsafe", "eventfd", "one wake-up per burst", "time.sleep"):
         assert what in out, out
     assert len(re.findall(r"p50 +\d+\.\d us", out)) == 4, out
+
+
+VERIFY_BENCH_ROWS = [
+    "push, 64 KiB blocks, GB/s",
+    "push throughput vs off",
+    "lifecycle rate, one-block requests",
+    "lifecycle rate vs off",
+    "CPU per lifecycle, both daemons",
+    "CPU per lifecycle vs off",
+    "one 4 KiB request alone, p50",
+    "one 4 KiB request alone, p99",
+    "added p50 vs off",
+    "added p99 vs off",
+]
+
+
+@pytest.mark.slow
+def test_verify_bench_quick_prints_every_setting_with_numbers() -> None:
+    out = _bench("bench.verify_bench", "--quick", timeout=600)
+    rows = _rows(out)
+    for size in ("4 KiB", "64 KiB", "1 MiB"):
+        crc, _xxh3 = rows[size]
+        assert re.fullmatch(r"[\d,]+", crc), (size, crc)
+    for label in VERIFY_BENCH_ROWS:
+        matching = [cells for name, cells in rows.items() if label in name]
+        assert len(matching) == 1, f"no row {label!r} in:\n{out}"
+        (cells,) = matching
+        assert len(cells) == 3 and all(SPREAD.match(c) for c in cells), (label, cells)
+    # "all" checked every request the decode daemon got; "off" none.
+    (checked,) = [cells for name, cells in rows.items() if name.startswith("requests the decode")]
+    off, _sample, every = (re.match(r"(\d+) of (\d+)", c) for c in checked)
+    assert off is not None and off[1] == "0"
+    assert every is not None and every[1] == every[2] != "0"
+    assert len(re.findall(r"^round \d+: off ", out, re.M)) == 2

@@ -102,6 +102,11 @@ def _check_summary(stdout: str, requests: int, seed: int) -> None:
     assert refusals[Kind.TOO_LONG.value][2] == kinds[Kind.TOO_LONG]
     assert re.search(r"^\s+total\s+(\d+)\s+\1$", stdout, re.M), stdout
     assert "prefill exited 0, decode exited 0" in stdout
+    # verify = "all": every delivered request was checked end to end, none differed.
+    checked = re.search(r'verify = "all": (\d+) requests? checked .*?, ([\d,]+) block', stdout)
+    assert checked, stdout
+    assert int(checked[1]) > 0 and int(checked[2].replace(",", "")) > 0
+    assert " 0 mismatches" in stdout
     assert f"demo OK: {requests} requests ended as planned" in stdout
 
 

@@ -17,6 +17,7 @@ from schemas import peer as pm
 from schemas import rpc
 from schemas.events import (
     Failed,
+    IntegrityMismatch,
     KvReady,
     PeerSettled,
     Refused,
@@ -103,6 +104,7 @@ EVENTS = [
     ReleaseDeferred("r", 1),
     Released("r", 1),
     REFUSED,
+    IntegrityMismatch("r", 1, 4, 1, ((0, 0, 5),)),
 ]
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from schemas.events import (
     Failed,
+    IntegrityMismatch,
     PeerRegistered,
     PeerSettled,
     Released,
@@ -129,6 +130,11 @@ ROWS = [
     (S.FAILURE,           P, DONE, {},                            []),
     (S.FAILURE,           R, REG,  {},                            [Failed]),
     (S.FAILURE,           R, WRI,  {},                            [Failed]),
+    (S.INTEGRITY_MISMATCH, R, REG, {},                            [IntegrityMismatch, Failed]),
+    (S.INTEGRITY_MISMATCH, R, WRI, {},                            [IntegrityMismatch, Failed]),
+    (S.INTEGRITY_MISMATCH, R, DONE, {"settled": True},            []),
+    (S.INTEGRITY_MISMATCH, R, FAIL, {},                           []),
+    (S.INTEGRITY_MISMATCH, P, DONE, {},                           []),
 ]
 # fmt: on
 
@@ -224,3 +230,14 @@ def test_a_lifted_quarantine_calls_for_nothing_unless_a_release_was_deferred():
             r = record(role, state, **flags)
             assert not release_may_be_due(r)
             assert react(r, S.QUARANTINE_LIFTED) == []
+
+
+def test_an_integrity_mismatch_names_its_blocks_and_fails_the_request():
+    blocks = tuple((0, layer, 100 + b) for layer in range(2) for b in range(40))
+    why = Why(Reason.INTEGRITY_MISMATCH, "differs", num_blocks=200, blocks=blocks)
+    mismatch, failed = react(record(R, WRI), S.INTEGRITY_MISMATCH, why)
+    assert isinstance(mismatch, IntegrityMismatch) and isinstance(failed, Failed)
+    assert (mismatch.checked, mismatch.mismatched) == (200, 80)
+    assert mismatch.blocks == blocks[:64]  # listed up to MAX_LISTED, all counted
+    assert (failed.reason, failed.message) == (Reason.INTEGRITY_MISMATCH, "differs")
+    assert not failed.settled  # the pusher's final word still lifts the quarantine

@@ -56,6 +56,7 @@ def make_event(kind: type, request_id: str = RID, incarnation: int = INC) -> ev.
         ReleaseDeferred: (),
         Released: (),
         ev.Refused: ("pre0", Reason.UNKNOWN_REQUEST, "late"),
+        ev.IntegrityMismatch: (10, 1, ((0, 1, 500),)),
     }
     return kind(request_id, incarnation, *args[kind])
 
@@ -334,8 +335,8 @@ DOCUMENTED = {
     (Role.PUSHER, W): {WriteDone: D, Failed: F, ReleaseDeferred: W},
     (Role.PUSHER, D): {Released: X},
     (Role.PUSHER, F): {Released: X},
-    (Role.RECEIVER, R): {WriteStarted: W, WriteDone: D, Failed: F},
-    (Role.RECEIVER, W): {WriteDone: D, Failed: F},
+    (Role.RECEIVER, R): {WriteStarted: W, WriteDone: D, ev.IntegrityMismatch: R, Failed: F},
+    (Role.RECEIVER, W): {WriteDone: D, ev.IntegrityMismatch: W, Failed: F},
     (Role.RECEIVER, D): {Released: X},
     (Role.RECEIVER, F): {PeerSettled: F, ReleaseDeferred: F, Released: X},
 }

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Annotated, Final
 
 import msgspec
 
-from daemon.dataplane.memory import SHM_ROOT, RegionError
+from daemon.dataplane.memory import SHM_ROOT, MappedRegion, RegionError
 from schemas.kvlayout import MemoryKind, RegionSpec
 
 if TYPE_CHECKING:
@@ -421,3 +421,68 @@ def _ipc_collect() -> None:
 
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()
+
+
+# ---------------------------------------------------------------- checksums
+
+# End-to-end checksums of blocks on the device (daemon/dataplane/digest.py):
+# crc32c has no torch op, so VRAM blocks get a position-weighted sum instead,
+# computed where the blocks are, with exact integer arithmetic so a GPU and a
+# CPU give the same value for the same bytes. Each block's little-endian
+# uint32 words w_i are split into 16-bit halves; S_lo = sum(lo_i * (2i + 1)),
+# S_hi = sum(hi_i * (2i + 1)) in int64 (no overflow for blocks up to 8 MiB),
+# and the checksum is (S_lo + S_hi * 0x9E3779B1) mod 2^32. A changed word
+# changes one half by d != 0 times an odd weight, which is never 0 mod 2^32
+# for |d| < 2^16: one changed word always shows; two words moved shows too.
+WSUM_ALGORITHM: Final = "wsum32"
+WSUM_MAX_BLOCK: Final = 8 * 1024 * 1024
+_WSUM_CHUNK_BYTES: Final = 16 * 1024 * 1024  # source bytes per batch: temporaries are 4x this
+_GOLDEN: Final = 0x9E3779B1
+
+
+def wsum_supported(block_bytes: int) -> bool:
+    return 0 < block_bytes <= WSUM_MAX_BLOCK and block_bytes % 4 == 0
+
+
+def region_wsums(
+    region: object, offset: int, block_bytes: int, num_blocks: int, ids: list[int]
+) -> list[int]:
+    """:func:`block_wsums` of one layer at ``offset`` of a VRAM region (on its
+    device) or of a mapped DRAM region (on the CPU, over the mapping: no copy)."""
+    span = num_blocks * block_bytes
+    if isinstance(region, VramRegion):
+        layer = region.tensor()[offset : offset + span]
+    else:
+        import torch
+
+        assert isinstance(region, MappedRegion)
+        layer = torch.from_numpy(region.view()[offset : offset + span])
+    return block_wsums(layer, block_bytes, ids)
+
+
+def block_wsums(layer: torch.Tensor, block_bytes: int, ids: list[int]) -> list[int]:
+    """The wsum32 checksum of each block ``ids`` of ``layer`` (flat uint8, any device).
+
+    ``layer`` holds the layer's blocks back to back, block ``b`` at
+    ``b * block_bytes``; the result is in the order of ``ids``.
+    """
+    import torch
+
+    if not wsum_supported(block_bytes):
+        raise ValueError(
+            f"wsum32 needs a block size that is a multiple of 4 up to 8 MiB: {block_bytes}"
+        )
+    blocks = layer[: (layer.numel() // block_bytes) * block_bytes].view(-1, block_bytes)
+    words = block_bytes // 4
+    weights = torch.arange(words, dtype=torch.int64, device=layer.device) * 2 + 1
+    per_chunk = max(1, _WSUM_CHUNK_BYTES // block_bytes)
+    out: list[int] = []
+    for start in range(0, len(ids), per_chunk):
+        index = torch.tensor(ids[start : start + per_chunk], dtype=torch.int64, device=layer.device)
+        chosen = blocks.index_select(0, index).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        lo = ((chosen & 0xFFFF) * weights).sum(dim=1)
+        hi = ((chosen >> 16) * weights).sum(dim=1)
+        out.extend(
+            (a + b * _GOLDEN) & 0xFFFFFFFF for a, b in zip(lo.tolist(), hi.tolist(), strict=True)
+        )
+    return out

@@ -42,6 +42,7 @@ from schemas.events import (
     DaemonStarted,
     Event,
     Failed,
+    IntegrityMismatch,
     Refused,
     Released,
     WriteDone,
@@ -149,6 +150,11 @@ class NodeMetrics:
         self.transfers_failed = c("transfers_failed", "Pushes that failed while writing.")
         self.written_bytes = c("written_bytes", "Bytes pushed by completed NIXL WRITEs.")
         self.kv_arrived = c("kv_arrived", "Receiver requests whose KV arrived (WriteDone).")
+        self.integrity_mismatches = c(
+            "integrity_mismatches",
+            "Receiver requests whose landed blocks differ from the pusher's checksums "
+            "(IntegrityMismatch; each fails integrity_mismatch).",
+        )
         refusals = c("refusals", "Journaled refusals (Refused events).", ["reason"])
         failures = c("failures", "Requests failed (Failed events).", ["reason"])
         appends = c("journal_appends", "Journal records appended, by event.", ["event"])
@@ -188,6 +194,8 @@ class NodeMetrics:
             self._refusals[event.reason].inc()
         if isinstance(event, Failed):
             self._failures[event.reason].inc()
+        elif isinstance(event, IntegrityMismatch):
+            self.integrity_mismatches.inc()
         if isinstance(touched, RequestRecord):
             self._track(event, touched, ts)
 

@@ -307,7 +307,13 @@ class Peers:
         )
 
     async def _on_write_done(self, node: str, msg: pm.WriteDone) -> None:
+        record = self.node.current(msg.request_id, msg.incarnation)
+        if record is not None and await self.node.integrity.landed(record, final=True) is None:
+            return
         await self._receiver_hears(msg.request_id, msg.incarnation, Stimulus.PEER_WRITE_DONE)
+
+    async def _on_digests(self, node: str, msg: pm.Digests) -> None:
+        await self.node.integrity.on_digests(msg)
 
     async def _on_write_failed(self, node: str, msg: pm.WriteFailed) -> None:
         # "Cancelled by peer" from the pusher means it refused our request.
@@ -340,4 +346,5 @@ _HANDLERS: dict[type, Callable[[Peers, str, Any], Awaitable[None]]] = {
     pm.WriteDone: Peers._on_write_done,
     pm.WriteFailed: Peers._on_write_failed,
     pm.Engines: Peers._on_engines,
+    pm.Digests: Peers._on_digests,
 }

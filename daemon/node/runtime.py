@@ -33,6 +33,7 @@ from daemon.journal.groupcommit import GroupCommit
 from daemon.journal.replay import fold_contents
 from daemon.journal.writer import Journal
 from daemon.node.engines import Engines, EngineSession
+from daemon.node.integrity import Integrity
 from daemon.node.ledger import Ledger
 from daemon.node.peerlink import PeerManager
 from daemon.node.peers import Peers
@@ -94,6 +95,7 @@ class Node:
             "bytes_written": 0,
             "refusals": 0,
         }
+        self.integrity = Integrity(self)  # adds its counters
         self.on_fatal: Callable[[BaseException], None] = lambda exc: None
         # Metrics and tests watch every journaled event: (event, record touched, ts).
         self.observers: list[Callable[[Event, object, float], None]] = []
@@ -157,6 +159,7 @@ class Node:
             on_fatal=self._journal_failed,
         )
         self._ledger.observers.append(self.transfers.observe)
+        self._ledger.observers.append(self.integrity.observe)
         self._ledger.observers.append(self._observe)
         self._ledger.after_durable[Released] = [self.engines.after_durable]
         self.log.info(
@@ -348,6 +351,7 @@ class Node:
             self.engines.unavailable_slots(engine),
         )
         self._check_fits(event)
+        self.integrity.check_slots(engine, event)
         self.engines.take_offload(engine, event)
         try:
             registered = self.ledger.commit([event], Cause.ENGINE)

@@ -155,6 +155,7 @@ class Transfers:
         posting: asyncio.Task[WriteResult] | None = None
         gone: PeerGone | None = None
         try:
+            digests = await node.integrity.before_write(record)  # before anything is posted
             peer = node.peers.states.get(record.peer)
             if n_blocks and (
                 peer is None or not peer.agent_name or not node.peers.is_up(record.peer)
@@ -175,13 +176,14 @@ class Transfers:
                         record.engine_id,
                         peer.agent_name,
                         record.remote_engine,
-                        record.src,
+                        node.integrity.wire_src(record),
                         record.dst,
                         notification_for(rid, inc),
                     )
                 )
             # The peer hears "writing" (and a failure follows it) only once durable.
             await started
+            node.integrity.send(record, digests)
             if gone is not None:
                 raise gone
             if posting is not None:
@@ -243,5 +245,7 @@ class Transfers:
 
     async def _arrived(self, request_id: str, incarnation: int) -> None:
         record = self.node.current(request_id, incarnation)
+        if record is not None:
+            record = await self.node.integrity.landed(record, final=False)
         if record is not None:
             await self.node.react(record, Stimulus.DATA_LANDED, failpoint="node.kv_arrived")

@@ -1,8 +1,9 @@
 """What ``journal replay`` reports: final states, refusals and anomalies, and latency.
 
 Over the requests a :class:`~daemon.postmortem.filters.Filters` selects:
-requests never released, sides that disagree, slow transitions, sequence
-gaps, torn tails, restarts and records the core rejected on replay.
+requests never released, sides that disagree, integrity mismatches (with
+their blocks), slow transitions, sequence gaps, torn tails, restarts and
+records the core rejected on replay.
 Renderers (text, JSON, HTML) only read the :class:`Analysis`.
 """
 
@@ -23,6 +24,7 @@ from daemon.postmortem.merge import Merged, final_label
 from daemon.postmortem.vocab import (
     K_DAEMON_STARTED,
     K_FAILED,
+    K_INTEGRITY_MISMATCH,
     K_REFUSED,
     KIND_NAMES,
     ROLE_NAMES,
@@ -35,7 +37,7 @@ from daemon.postmortem.vocab import (
     IntArray,
     RequestKey,
 )
-from schemas.events import DaemonStarted
+from schemas.events import DaemonStarted, IntegrityMismatch
 from schemas.reasons import Reason
 
 
@@ -92,6 +94,18 @@ class Stuck:
 class Disagreement:
     key: RequestKey
     sides: tuple[Side, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    """A receiver's IntegrityMismatch: the bytes that landed were not the pusher's."""
+
+    key: RequestKey
+    node: str
+    at: float
+    checked: int
+    mismatched: int
+    blocks: tuple[tuple[int, int, int], ...]  # (group, layer, block), the first listed
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +231,7 @@ class Analysis:
     refusals: list[RefusalSummary]
     never_released: list[Stuck]
     disagreements: list[Disagreement]
+    mismatches: list[Mismatch]
     slowest: list[Transition]  # the daemons' time: every transition but done->released
     longest_holds: list[Transition]  # done->released: the engine held its blocks
     latency: list[LatencyRow]
@@ -246,6 +261,7 @@ def analyse(merged: Merged, filters: Filters | None = None, *, top: int = 10) ->
         refusals=_refusals(merged, mask, filters),
         never_released=_never_released(merged, selected, table),
         disagreements=_disagreements(merged, selected),
+        mismatches=_mismatches(merged, mask),
         slowest=_slowest(merged, table, mask, top, engine_hold=False),
         longest_holds=_slowest(merged, table, mask, top, engine_hold=True),
         latency=_latency(merged, table, mask),
@@ -373,6 +389,22 @@ def _disagreements(merged: Merged, selected: IntArray) -> list[Disagreement]:
     return [
         Disagreement(merged.keys[int(r)], summarize(merged, int(r)).sides) for r in selected[split]
     ]
+
+
+def _mismatches(merged: Merged, mask: npt.NDArray[np.bool_]) -> list[Mismatch]:
+    rows = []
+    picks = np.flatnonzero((merged.step_kind == K_INTEGRITY_MISMATCH) & mask[merged.step_req])
+    for j in picks.tolist():
+        n = int(merged.step_node[j])
+        event = merged.nodes[n].event(int(merged.step_local[j]))
+        assert isinstance(event, IntegrityMismatch)  # kept: vocab's KEEP lists hold it
+        key = merged.keys[int(merged.step_req[j])]
+        at = float(merged.step_ts[j])
+        rows.append(
+            Mismatch(key, merged.names[n], at, event.checked, event.mismatched, event.blocks)
+        )
+    rows.sort(key=lambda m: m.at)
+    return rows
 
 
 def _transition_name(frm: int, to: int) -> str:

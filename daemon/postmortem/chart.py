@@ -87,6 +87,7 @@ def _anomalous(analysis: Analysis) -> list[RequestKey]:
     """Requests worth a timeline, most alarming first, each once."""
     keys: list[RequestKey] = [s.key for s in analysis.never_released]
     keys += [d.key for d in analysis.disagreements]
+    keys += [m.key for m in analysis.mismatches]
     keys += [k for r in analysis.restarts for k, _ in r.failed]
     keys += [r.key for r in analysis.rejected if r.key is not None]
     keys += [t.key for t in analysis.slowest]

@@ -45,6 +45,7 @@ from schemas.events import (
     DaemonStarted,
     Event,
     Failed,
+    IntegrityMismatch,
     KvReady,
     Record,
     Refused,
@@ -67,7 +68,7 @@ _KEEP: Final[tuple[bool, ...]] = tuple(
 # alone when no timeline will be drawn, which spares the fold a third of its
 # bookkeeping.
 _KEEP_FOR_ANALYSIS: Final[tuple[bool, ...]] = tuple(
-    kind in (DaemonStarted, Registered, Failed, Refused) for kind in KINDS
+    kind in (DaemonStarted, Registered, Failed, Refused, IntegrityMismatch) for kind in KINDS
 )
 _Int = TypeVar("_Int", bound=np.integer[Any])
 _event_encoder = msgspec.msgpack.Encoder()

@@ -56,3 +56,10 @@ def signed_ms(seconds: float) -> str:
 
 def abs_ms(seconds: float) -> str:
     return f"{abs(seconds) * 1e3:.3f} ms"
+
+
+def blocks_text(blocks: tuple[tuple[int, int, int], ...], count: int, shown: int = 8) -> str:
+    """(group, layer, block) triples as ``g/l/b``, the first ``shown``, then how many more."""
+    text = " ".join(f"{g}/{layer}/{b}" for g, layer, b in blocks[:shown])
+    rest = count - min(shown, len(blocks))
+    return text + (f" (+{rest} more)" if rest > 0 else "")

@@ -37,6 +37,7 @@ from daemon.postmortem.chart import (
     summary_class,
 )
 from daemon.postmortem.formatting import (
+    blocks_text,
     first_record_ts,
     format_time,
     key_text,
@@ -193,6 +194,22 @@ def _anomaly_tables(analysis: Analysis, link: _Links) -> str:
             "Sides that disagree (one done, another failed)",
             ["request", "sides"],
             [(link(d.key), _e(_side_text(d.sides))) for d in analysis.disagreements],
+        ),
+        (
+            "integrity",
+            "Integrity mismatches (landed bytes differ from the pusher's; the request failed)",
+            ["request", "node", "at", "differ", "of", "blocks (group/layer/block)"],
+            [
+                (
+                    link(m.key),
+                    _e(m.node),
+                    _e(t(m.at)),
+                    str(m.mismatched),
+                    str(m.checked),
+                    _e(blocks_text(m.blocks, m.mismatched)),
+                )
+                for m in analysis.mismatches
+            ],
         ),
         (
             "refusals",

@@ -9,6 +9,7 @@ from typing import TextIO, TypeVar
 from daemon.ops import texttable
 from daemon.postmortem.analyse import Analysis, Occurrence, Side
 from daemon.postmortem.formatting import (
+    blocks_text,
     first_record_ts,
     format_time,
     key_text,
@@ -77,6 +78,24 @@ def render_replay(analysis: Analysis, out: TextIO, *, limit: int = 20) -> None:
         "sides that disagree (one done, another failed)",
         ["request", "sides"],
         [(key_text(d.key), "; ".join(_side_text(s) for s in d.sides)) for d in split],
+        more,
+    )
+    bad, more = _limited(analysis.mismatches, limit)
+    _section(
+        w,
+        "integrity mismatches (landed bytes differ from the pusher's; the request failed)",
+        ["request", "node", "at", "differ", "of", "blocks (group/layer/block)"],
+        [
+            (
+                key_text(m.key),
+                m.node,
+                format_time(m.at),
+                m.mismatched,
+                m.checked,
+                blocks_text(m.blocks, m.mismatched),
+            )
+            for m in bad
+        ],
         more,
     )
     _section(

@@ -16,6 +16,7 @@ from schemas.events import (
     DaemonStarted,
     Event,
     Failed,
+    IntegrityMismatch,
     PeerRegistered,
     Refused,
     Registered,
@@ -45,6 +46,7 @@ K_WRITE_STARTED: Final = KIND_CODE[WriteStarted]
 K_WRITE_DONE: Final = KIND_CODE[WriteDone]
 K_FAILED: Final = KIND_CODE[Failed]
 K_REFUSED: Final = KIND_CODE[Refused]
+K_INTEGRITY_MISMATCH: Final = KIND_CODE[IntegrityMismatch]
 FIRST_REQUEST_KIND: Final = sum("request_id" not in k.__struct_fields__ for k in KINDS)
 
 # States, ordered from least to most advanced: "the least advanced side"

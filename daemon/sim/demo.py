@@ -13,7 +13,10 @@ behind (unless ``--keep``):
    hits of varying length, full hits, and a few that the daemons must refuse
    (decode longer than prefill, destination blocks owned by a live request,
    a duplicate registration). Each delivered block is checked byte for byte
-   on the decode side; the prefill caches must not change at all.
+   on the decode side; the prefill caches must not change at all. The
+   daemons run with ``verify = "all"``: the decode daemon compares checksums
+   of every block against the prefill daemon's before its engine hears
+   ``kv_arrived``, and the summary says how many it verified.
 4. Stops the daemons with SIGTERM (they must exit 0), unlinks the shared
    memory, replays both journals, checks every request's path through them,
    and prints a summary: outcomes, refusals, bytes, throughput, latencies,
@@ -89,6 +92,8 @@ from daemon.sim.launcher import free_port, write_secret
 
 SOCKET_PATH_MAX: Final = 100  # sun_path is 108 bytes; keep a margin
 MAX_PROBLEMS_SHOWN: Final = 20
+# Every push end-to-end checked (README.md, "Integrity"): the demo shows it on.
+VERIFY_ALL: Final = '[integrity]\nverify = "all"'
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
 EXIT_USAGE: Final = 2
@@ -192,7 +197,9 @@ async def _push_phase(
         leftover = await close_engines(engines)
     if stop.is_set():
         raise Interrupted(f"stopped by a signal after {len(outcomes)} of {plan.size} requests")
-    return PushResult(outcomes, elapsed, bad, shm_files, leftover)
+    counters = (await asyncio.to_thread(decode.status))["counters"]
+    integrity = {k: v for k, v in counters.items() if k.startswith("integrity_")}
+    return PushResult(outcomes, elapsed, bad, shm_files, leftover, integrity)
 
 
 def _stop_on_signals(stop: asyncio.Event, out: TextIO) -> None:
@@ -268,7 +275,14 @@ def run_demo(opts: Options, out: TextIO) -> int:
         p_port, d_port = free_port(), free_port()
         prefill, decode = (
             DaemonProc(
-                node, workdir, port, [peer], timing=DEMO_TIMING, socket_dir=sockets, detached=True
+                node,
+                workdir,
+                port,
+                [peer],
+                extra=VERIFY_ALL,
+                timing=DEMO_TIMING,
+                socket_dir=sockets,
+                detached=True,
             )
             for node, port, peer in (
                 (PREFILL, p_port, (DECODE, d_port)),
@@ -308,6 +322,9 @@ def _collect_problems(
         if rid not in flagged
     ]
     problems += [f"shared memory file not unlinked: {path}" for path in push.leftover_shm]
+    mismatches = push.integrity.get("integrity_mismatches", 0)
+    if mismatches:
+        problems.append(f"{mismatches} integrity mismatches (the decode journal names the blocks)")
     problems += stop_problems
     by_id = {o.request_id: o for o in push.outcomes}
     for view in journals:

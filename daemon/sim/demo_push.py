@@ -84,6 +84,9 @@ class PushResult:
     bad_reports: dict[str, str]  # request id -> its failed verification
     shm_files: int  # shared-memory files the engines created
     leftover_shm: list[str]  # ... and those still there after closing them
+    # The decode daemon's integrity counters (verify = "all"): requests
+    # checked, block checksums found equal, mismatches.
+    integrity: dict[str, int] = field(default_factory=dict)
 
 
 def pushed_bytes(layout: SimLayout, dst: Logical) -> tuple[int, int]:

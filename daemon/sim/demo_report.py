@@ -195,6 +195,17 @@ def example_ids(result: RunResult) -> list[str]:
     return picks or [t.request_id for t in result.plan.transfers[:1]]
 
 
+def integrity_line(counters: dict[str, int]) -> str:
+    """What the decode daemon's end-to-end checksums found (verify = "all")."""
+    checked = counters.get("integrity_checked", 0)
+    equal = counters.get("integrity_blocks_verified", 0)
+    bad = counters.get("integrity_mismatches", 0)
+    return (
+        f'  integrity        verify = "all": {plural(checked, "request")} checked end to end,'
+        f" {equal:,} block checksums equal, {bad} {'mismatch' if bad == 1 else 'mismatches'}"
+    )
+
+
 def print_summary(result: RunResult, workdir: Path, keep: bool, out: TextIO) -> None:
     w = out.write
     delivered = [o for o in result.outcomes if o.ok and o.latency_s is not None]
@@ -213,6 +224,7 @@ def print_summary(result: RunResult, workdir: Path, keep: bool, out: TextIO) -> 
     wrong = sum(o.actual.startswith("error: wrong bytes") for o in result.outcomes)
     checked = "every byte verified" if not wrong else f"{plural(wrong, 'request')} with WRONG bytes"
     w(f"  bytes moved      {_size(nbytes)} in {blocks:,} blocks, {checked}\n")
+    w(integrity_line(result.push.integrity) + "\n")
     w(
         f"  push phase       {result.push.seconds:.2f} s: {nbytes / push / 1e9:.3g} GB/s,"
         f" {len(result.outcomes) / push:.1f} requests/s, {WINDOW} in flight\n"
