@@ -44,6 +44,23 @@ def digest_count(blocks: Blocks, layers: Sequence[int]) -> int:
     return sum(len(ids) * n for ids, n in zip(blocks, layers, strict=True))
 
 
+# A Digests message beyond its digests: ids, names, the destination block
+# list (msgpack ints of up to 9 bytes each) and the frame's own bytes.
+_MESSAGE_OVERHEAD: Final = 1024
+_BYTES_PER_BLOCK_ID: Final = 9
+
+
+def digests_fit(src: Blocks, layers: Sequence[int], max_frame_bytes: int) -> bool:
+    """Whether the Digests message of a pairing fits one peer frame.
+
+    A push too large for its checksums to travel in one frame goes unchecked
+    rather than failing for want of them.
+    """
+    blocks = sum(len(ids) for ids in src)
+    size = digest_count(src, layers) * DIGEST_BYTES + blocks * _BYTES_PER_BLOCK_ID
+    return size + _MESSAGE_OVERHEAD <= max_frame_bytes
+
+
 def mismatches(
     expected: bytes, actual: bytes, dst: Blocks, layers: Sequence[int]
 ) -> list[tuple[int, int, int]]:

@@ -8,7 +8,7 @@ import struct
 import pytest
 
 from schemas.config import VerifyMode
-from statemachine.integrity import MAX_LISTED, digest_count, mismatches, sampled
+from statemachine.integrity import MAX_LISTED, digest_count, digests_fit, mismatches, sampled
 
 
 def _pack(*values: int) -> bytes:
@@ -55,3 +55,12 @@ def test_digests_of_the_wrong_length_mismatch_everywhere(short):
 
 def test_the_listed_bound_is_small():
     assert 0 < MAX_LISTED <= 256
+
+
+def test_checksums_too_large_for_one_peer_frame_do_not_fit():
+    # 9 digests of 4 bytes and 4 block ids: well inside 4 MiB.
+    assert digests_fit(DST, LAYERS, 4 * 1024 * 1024)
+    many = (tuple(range(100_000)),)
+    # 100 000 blocks x 12 layers: 4.8 MB of digests and the ids: not in 4 MiB.
+    assert not digests_fit(many, (12,), 4 * 1024 * 1024)
+    assert digests_fit(many, (12,), 8 * 1024 * 1024)

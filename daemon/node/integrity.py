@@ -52,7 +52,7 @@ from schemas.events import Blocks, Event, Registered
 from schemas.reasons import Reason
 from schemas.state import RequestRecord
 from statemachine import Refusal
-from statemachine.integrity import mismatches, sampled
+from statemachine.integrity import digests_fit, mismatches, sampled
 from statemachine.reactions import Stimulus, Why, awaiting_data
 
 if TYPE_CHECKING:
@@ -150,6 +150,10 @@ class Integrity:
         if engine is None:
             raise DataPlaneError(f"engine {record.engine_id} is gone", code="unknown_engine")
         algorithm, data = digest.algorithm_for(engine.spec, engine.regions), b""
+        layers = [len(g.layers) for g in engine.spec.groups]
+        if not digests_fit(record.src, layers, self.node.config.limits.max_frame_bytes):
+            algorithm = digest.UNCHECKED  # one frame cannot carry them: unchecked, not failed
+            self.node.counters["integrity_unchecked"] += 1
         if algorithm != digest.UNCHECKED:
             data = await self._digests(engine, record.src, algorithm)
         return pm.Digests(record.request_id, record.incarnation, algorithm, data, record.dst)
