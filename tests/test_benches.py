@@ -31,6 +31,9 @@ DAEMON_BENCH_ROWS = [
     ("request alone, kv_ready -> KvArrived + BlocksFreeable (bare: one WRITE", True),
     ("latency added over bare NIXL, p50", False),
     ("latency added over bare NIXL, p99", False),
+    ("request alone, kv_ready -> KvArrived only", False),
+    ("latency added over bare NIXL up to KvArrived, p50", False),
+    ("latency added over bare NIXL up to KvArrived, p99", False),
     ("idle CPU, prefill daemon", False),
     ("idle CPU, decode daemon", False),
 ]
@@ -63,7 +66,8 @@ def _rows(out: str) -> dict[str, list[str]]:
 def test_daemon_bench_quick_prints_every_row_with_numbers() -> None:
     out = _bench("bench.daemon_bench", "--quick", "--no-record", timeout=600)
     rows = _rows(out)
-    assert len(rows) == 13, rows  # two of the rows are p50 and p99 of the lone request
+    # Four rows are p50 and p99 of the lone request, to both events and to KvArrived.
+    assert len(rows) == 17, rows
     for label, with_bare in DAEMON_BENCH_ROWS:
         matching = [cells for name, cells in rows.items() if label in name]
         assert matching, f"no row {label!r} in:\n{out}"
