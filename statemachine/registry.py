@@ -219,6 +219,13 @@ class Registry:
         due.extend(p for p in self.pending.values() if p.received_at + limit <= now)
         return due
 
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a live record or pending registration (None: none)."""
+        limit = self.deadlines.registered
+        due = [r.deadline for r in self.live.values()]
+        due.extend(p.received_at + limit for p in self.pending.values())
+        return min(due, default=None)
+
     # ------------------------------------------------------------- validation
 
     def _engine(self, engine_id: str) -> EngineLayout:

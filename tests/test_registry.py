@@ -596,6 +596,19 @@ def test_deadline_not_due_early() -> None:
     assert [r.request_id for r in n.reg.expired(15.0)] == ["x"]  # type: ignore[union-attr]
 
 
+def test_next_deadline_is_the_earliest_of_live_and_pending() -> None:
+    # The daemon's deadline loop sleeps until it (daemon/node/runtime.py).
+    n = Node(deadlines=Deadlines(registered=10.0))
+    assert n.reg.next_deadline() is None
+    n.now = 5.0
+    n.register("x", RECEIVER, [[1]])
+    assert n.reg.next_deadline() == 15.0
+    n.now = 2.0  # a pending registration, received earlier on the clock
+    n.do(n.reg.check_peer_registration("p", 1, "dnode", "dec0", ((5,),), 1))
+    assert n.reg.next_deadline() == 12.0
+    assert n.reg.expired(12.0) != [] and n.reg.expired(11.999) == []
+
+
 # ------------------------------------------------------- tombstones
 
 
