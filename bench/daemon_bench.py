@@ -41,7 +41,6 @@ import argparse
 import asyncio
 import multiprocessing
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -55,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from bench.nixl_bare import MIB, BareResult, run_bare
-from bench.results import write_section
+from bench.results import load_average, machine, write_section
 from daemon.client import EngineClient
 from daemon.dataplane.memory import create_shm_file
 from daemon.journal.stats import percentile
@@ -514,12 +513,10 @@ def main(argv: list[str] | None = None) -> None:
     print(body)
     if args.quick or args.no_record:
         return
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    load = load_average()
     command = " ".join(["python -m bench.daemon_bench", *sys.argv[1:]]).strip()
     context = (
-        f"- date: {started}; machine: nproc {os.cpu_count()}, Python "
-        f"{platform.python_version()}, {platform.system()} {platform.release()}; load average "
-        f"at the end {load}\n"
+        f"- date: {started}; machine: {machine()}; load average at the end {load}\n"
         f"- `{command}`: {s.pairs} interleaved pairs, each the daemon part (A) then bare NIXL "
         f"(B); a figure per pair, the table gives the median and min-max over the pairs; a "
         f"ratio or a difference is taken within each pair first\n"

@@ -25,7 +25,6 @@ import ctypes
 import datetime
 import multiprocessing
 import os
-import platform
 import statistics
 import sys
 import time
@@ -36,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.results import write_section
+from bench.results import machine, write_section
 from daemon.dataplane.memory import SHM_ROOT, MappedRegion, create_shm_file, map_dram_region
 
 KIB = 1 << 10
@@ -313,8 +312,7 @@ def main() -> None:
         now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
         context = (
             f"- date: {now}\n"
-            f"- machine: nproc {os.cpu_count()}, Python {platform.python_version()},"
-            f" {platform.system()} {platform.release()}\n"
+            f"- machine: {machine()}\n"
             f"- two processes, one agent each, no progress thread, polling every"
             f" {POLL_INTERVAL_S * 1e6:.0f} us with a {TIMER_SLACK_NS / 1e3:g} us timer slack"
             " (as the daemon's NIXL worker);"

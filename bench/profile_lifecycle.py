@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import platform
 import pstats
 import sys
 import tempfile
@@ -36,30 +34,19 @@ from pathlib import Path
 from typing import Any
 
 from bench.daemon_bench import FULL, IN_FLIGHT, DaemonSide
-from bench.results import write_section
-from daemon.sim.launcher import REPO, Daemon, daemon_pair, start_daemons, thread_cpu
+from bench.results import machine, write_section
+from daemon.sim.launcher import REPO, Daemon, start_pair, thread_cpu
 
 NODES = ("prefill", "decode")
 WARM_UP = 200
 
 
 def start_profiled(workdir: Path, outdir: Path, wall: bool) -> tuple[Daemon, Daemon]:
-    def make() -> tuple[Daemon, Daemon]:
-        pair = daemon_pair(workdir)
-        for daemon in pair:
-            daemon.profile_to = outdir / f"{daemon.node}.prof"
-            daemon.profile_wall = wall
-        return pair
+    def profiled(daemon: Daemon) -> None:
+        daemon.profile_to = outdir / f"{daemon.node}.prof"
+        daemon.profile_wall = wall
 
-    prefill, decode = start_daemons(make)
-    try:
-        decode.wait_peer("prefill")
-        prefill.wait_peer("decode")
-    except BaseException:
-        prefill.kill()
-        decode.kill()
-        raise
-    return prefill, decode
+    return start_pair(workdir, prepare=profiled)
 
 
 async def profile_lifecycles(
@@ -190,8 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     command = " ".join(["python -m bench.profile_lifecycle", *sys.argv[1:]]).strip()
     context = (
-        f"- date: {started}; machine: nproc {os.cpu_count()}, Python "
-        f"{platform.python_version()}, {platform.system()} {platform.release()}\n"
+        f"- date: {started}; machine: {machine()}\n"
         f"- `{command}`: {args.requests:,} one-block lifecycles, {args.in_flight} in flight, "
         f"batch fsync, after {WARM_UP} untimed ones; {rate:,.0f} req/s with the profilers on\n"
         f"- cProfile on each daemon's loop thread only (daemon/sim/profiled.py), by "

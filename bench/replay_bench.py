@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
-import platform
 import resource
 import subprocess
 import sys
@@ -30,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.results import write_section
+from bench.results import load_average, machine, write_section
 from daemon.journal.replay import replay
 from daemon.journal.writer import FsyncPolicy, Journal
 from daemon.node.ledger import Ledger
@@ -316,11 +314,10 @@ def main() -> None:
         "Target: >= 500 k events/s for the postmortem of a million events.",
     ]
     body = "\n".join(lines)
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    load = load_average()
     context = (
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n"
-        f"- machine: nproc {os.cpu_count()}, Python {platform.python_version()}, "
-        f"{platform.system()} {platform.release()}; load average at the end {load}\n"
+        f"- machine: {machine()}; load average at the end {load}\n"
         f"- {notes}\n"
         f"- postmortem = read + fold through the core + merge + clocks + anomalies "
         f"(`kvpushd journal replay` minus printing); parallel: the largest journal folds in "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import platform
 import re
 from pathlib import Path
 
@@ -17,3 +19,16 @@ def write_section(title: str, context: str, body: str) -> None:
     else:
         text = text.rstrip() + "\n\n" + section
     RESULTS.write_text(text.rstrip() + "\n")
+
+
+def machine() -> str:
+    """The machine line every section's context starts from."""
+    return (
+        f"nproc {os.cpu_count()}, Python {platform.python_version()}, "
+        f"{platform.system()} {platform.release()}"
+    )
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages, as a section's context gives them."""
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())

@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import functools
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -47,7 +46,7 @@ import numpy as np
 
 from bench.daemon_bench import BenchEngine, one_request, pct, spread
 from bench.nixl_bare import MIB
-from bench.results import write_section
+from bench.results import load_average, machine, write_section
 from daemon.dataplane import digest
 from daemon.dataplane.memory import create_shm_file, map_dram_region
 from daemon.sim.launcher import Daemon, cpu_seconds, start_pair
@@ -375,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
         digest_mib=base.digest_mib,
     )
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    load_before = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    load_before = load_average()
     costs = digest_costs(o)
     print(digest_table(costs))
     print(f"loop progress while a checksum runs in a thread: {costs['gil']:.0%} of alone")
@@ -385,11 +384,10 @@ def main(argv: list[str] | None = None) -> None:
     print(body)
     if args.quick or args.no_record:
         return
-    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    load = load_average()
     command = " ".join(["python -m bench.verify_bench", *sys.argv[1:]]).strip()
     context = (
-        f"- date: {started}; machine: nproc {os.cpu_count()}, Python "
-        f"{platform.python_version()}, Linux {platform.release()}; load average at the start "
+        f"- date: {started}; machine: {machine()}; load average at the start "
         f"{load_before}, at the end {load} (shared with other engineers' runs)\n"
         f"- `{command}`: the checksum alone over {o.digest_mib} MiB of /dev/shm (median of 5), "
         f"then three daemon pairs (verify off / sample at {RATE} / all) in {o.rounds} "

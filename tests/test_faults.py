@@ -28,7 +28,7 @@ import os
 import random
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -50,6 +50,7 @@ from schemas import rpc
 from schemas.events import KvReady, Record
 from schemas.reasons import Reason
 from tests.support.journals import lose_from
+from tests.support.waiting import is_stopped, wait_until
 
 PEER_TTL_S: Final = TEST_TIMING.peer_ttl_s
 EXIT_JOURNAL_FATAL: Final = 3  # daemon/service.py
@@ -65,15 +66,6 @@ async def started_pair(
     closing.append(pair)  # closed (daemons stopped) even if starting fails half-way
     await pair.start(failpoint_env)
     return pair
-
-
-async def wait_until(what: str, check: Callable[[], Any], timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := await asyncio.to_thread(check):
-            return value
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"not within {timeout} s: {what}")
 
 
 async def exit_code(daemon: Daemon, timeout: float) -> int:
@@ -110,14 +102,23 @@ class Steps:
         self.pair = pair
         self.pe, self.de = pair.engines[PREFILL], pair.engines[DECODE]
 
-    async def register_both(self, rid: str, slot: int, *, kv_ready: bool) -> None:
+    async def register_both(
+        self, rid: str, slot: int, *, kv_ready: bool, prefill_first: bool = False
+    ) -> None:
         src = [list(range(slot * 4, slot * 4 + 4)) for _ in LAYOUT]
         dst = [list(range(slot * 4 + 1, slot * 4 + 4)) for _ in LAYOUT]
         expect = Expectation(self.pe.engine_id, tail_pairs(LAYOUT, src, LAYOUT, dst))
-        await self.de.decode_register(rid, dst, PREFILL, expect=expect)
-        self.pair.ledgers[DECODE].said("Registered", rid)
+
+        async def decode() -> None:
+            await self.de.decode_register(rid, dst, PREFILL, expect=expect)
+            self.pair.ledgers[DECODE].said("Registered", rid)
+
+        if not prefill_first:
+            await decode()
         await self.pe.prefill(rid, src, peer=DECODE, kv_ready=False)
         self.pair.ledgers[PREFILL].said("Registered", rid)
+        if prefill_first:
+            await decode()
         if kv_ready:
             await self.pe.kv_ready(rid)
             self.pair.ledgers[PREFILL].said("KvReady", rid)
@@ -314,11 +315,6 @@ async def test_a_peer_frozen_past_its_ttl_is_declared_dead_and_resurrects_nothin
     await finish(pair)
 
 
-def _stopped(pid: int) -> bool:
-    # /proc/PID/stat: the state letter follows the command name in parentheses.
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
-
-
 @pytest.mark.slow
 async def test_a_pusher_frozen_just_before_posting_cannot_write_once_fenced(
     tmp_path: Path, closing: list[CrashPair]
@@ -338,7 +334,7 @@ async def test_a_pusher_frozen_just_before_posting_cannot_write_once_fenced(
     # may come only after the thaw.
     ready = asyncio.ensure_future(steps.pe.kv_ready("late"))
     await wait_until(
-        "the prefill daemon froze at nixl.post", lambda: _stopped(prefill.proc.pid), 10
+        "the prefill daemon froze at nixl.post", lambda: is_stopped(prefill.proc.pid), 10
     )
 
     failed = await outcome(steps.de, "late", PEER_TTL_S + 10.0)
@@ -395,13 +391,7 @@ async def test_the_write_overlaps_the_pushers_fdatasync_and_a_power_cut_in_betwe
     prefill, decode = pair.daemons[PREFILL], pair.daemons[DECODE]
     # The prefill side first: its slow sync must not eat the decode side's
     # (short, crash-round) registration deadline.
-    src = [list(range(4, 8)) for _ in LAYOUT]
-    dst = [list(range(5, 8)) for _ in LAYOUT]
-    await steps.pe.prefill("cut", src, peer=DECODE, kv_ready=False)
-    pair.ledgers[PREFILL].said("Registered", "cut")
-    expect = Expectation(steps.pe.engine_id, tail_pairs(LAYOUT, src, LAYOUT, dst))
-    await steps.de.decode_register("cut", dst, PREFILL, expect=expect)
-    pair.ledgers[DECODE].said("Registered", "cut")
+    await steps.register_both("cut", 1, kv_ready=False, prefill_first=True)
     ready = asyncio.ensure_future(steps.pe.kv_ready("cut"))
     arrived = await outcome(steps.de, "cut")
     assert isinstance(arrived, rpc.KvArrived), arrived

@@ -32,10 +32,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -51,24 +50,12 @@ from schemas.events import Failed, IntegrityMismatch, Refused
 from schemas.kvlayout import GroupSpec, LayerSpec
 from schemas.layout import GroupKind, Role
 from schemas.reasons import Reason
+from tests.support.waiting import is_stopped, wait_until
 
 LAYOUT: Final = [SimGroup(num_blocks=64, block_bytes=4096, layers=2)]
 SRC: Final = [list(range(10, 16))]  # the pusher's 6 blocks
 DST: Final = [list(range(40, 44))]  # the receiver's 4: a partial hit, the tail is written
 OUTCOMES: Final = (rpc.KvArrived, rpc.RequestFailed)
-
-
-async def wait_until(what: str, check: Callable[[], Any], timeout: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := await asyncio.to_thread(check):
-            return value
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"not within {timeout} s: {what}")
-
-
-def _stopped(pid: int) -> bool:
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
 
 
 class Pair:
@@ -142,7 +129,7 @@ async def push(pair: Pair, rid: str, *, hold: bool = False, dst: Any = DST) -> r
         ready = asyncio.ensure_future(pe.kv_ready(rid))
         proc = pair.prefill.proc
         assert proc is not None
-        await wait_until("the prefill daemon holds its write", lambda: _stopped(proc.pid))
+        await wait_until("the prefill daemon holds its write", lambda: is_stopped(proc.pid))
         pe.view.block(0, 1, SRC[0][-1])[:64] ^= 0x5A
         os.kill(proc.pid, signal.SIGCONT)
         await ready

@@ -288,7 +288,7 @@ class Worker:
 
         Writes in flight: poll_interval_s. Only expecting notifications:
         poll_interval_s, doubled after every EXPECT_BACKOFF_ROUNDS rounds
-        that found nothing, up to EXPECT_BACKOFF_MAX times it; a notification
+        that found nothing, up to 2**EXPECT_BACKOFF_STEPS times it; a notification
         or a command resets it. Idle: idle_progress_s.
         """
         if self.st.inflight:
@@ -695,15 +695,18 @@ def _tighten_timer_slack() -> None:
     The default 50 us timer slack turns a 50 us poll wait into ~140 us on
     these VMs; it is a per-thread setting, so only the worker is affected.
     """
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)  # 1 us
+    _prctl(_PR_SET_TIMERSLACK, 1000)  # 1 us
 
 
 def _name_thread(name: bytes) -> None:
     """Name this OS thread (``top -H``, /proc/PID/task/TID/comm; best effort, Linux only)."""
+    _prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]))
+
+
+def _prctl(option: int, arg: Any) -> None:
+    """prctl(2) for the calling thread; best effort (not Linux, no libc: nothing happens)."""
     with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0)
 
 
 def _wrap(exc: Exception, what: str, cls: type[DataPlaneError] = DataPlaneError) -> DataPlaneError:

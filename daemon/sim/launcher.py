@@ -315,9 +315,23 @@ def start_daemons(make: Callable[[], Sequence[Daemon]], tries: int = 4) -> list[
     raise AssertionError("unreachable")
 
 
-def start_pair(workdir: Path, *, extra: str = "") -> tuple[Daemon, Daemon]:
-    """A prefill and a decode daemon, started and peered."""
-    prefill, decode = start_daemons(lambda: daemon_pair(workdir, extra=extra))
+def start_pair(
+    workdir: Path, *, extra: str = "", prepare: Callable[[Daemon], None] | None = None
+) -> tuple[Daemon, Daemon]:
+    """A prefill and a decode daemon, started and peered.
+
+    ``prepare`` is called on each daemon before it starts (and before each
+    retry on a port clash), to set what its config does not say.
+    """
+
+    def make() -> tuple[Daemon, Daemon]:
+        pair = daemon_pair(workdir, extra=extra)
+        if prepare is not None:
+            for daemon in pair:
+                prepare(daemon)
+        return pair
+
+    prefill, decode = start_daemons(make)
     try:
         decode.wait_peer("prefill")
         prefill.wait_peer("decode")

@@ -4,6 +4,7 @@
               and the clean-stop check they end with
 ``journals``  reading and rewriting journal records, for tests that plant damage
 ``imports``   the static import scanner and graph of test_purity and test_layout
+``waiting``   polling a condition off the loop; whether a process is stopped
 
 Real daemon processes, the simulated engines and the harnesses that tools
 share with tests (crash rounds, fuzzing, the load fleet, the lifecycle driver)
