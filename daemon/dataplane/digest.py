@@ -36,13 +36,6 @@ DEVICE_ALGORITHM = vram.WSUM_ALGORITHM  # VRAM engines
 UNCHECKED = "none"  # the side that computes cannot: nothing is compared
 
 
-def block_bytes(spec: EngineSpec, blocks: Blocks) -> int:
-    """How many bytes :func:`digests` reads for ``blocks``."""
-    return sum(
-        len(ids) * g.block_bytes * len(g.layers) for ids, g in zip(blocks, spec.groups, strict=True)
-    )
-
-
 def _open(regions: Mapping[str, object], name: str, kind: type) -> bool:
     region = regions.get(name)
     return isinstance(region, kind) and not region.closed  # type: ignore[attr-defined]

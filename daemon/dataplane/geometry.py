@@ -70,6 +70,13 @@ class EngineGeometry:
         return tuple((g.kind, g.block_bytes, g.n_layers) for g in self.groups)
 
 
+def blocks_nbytes(spec: EngineSpec, blocks: Blocks) -> int:
+    """The bytes ``blocks`` of the engine ``spec`` hold, every layer counted."""
+    return sum(
+        len(ids) * g.block_bytes * len(g.layers) for ids, g in zip(blocks, spec.groups, strict=True)
+    )
+
+
 def descriptor_rows(engine: RemoteEngine) -> np.ndarray:
     """The N x 3 (addr, len, dev) rows of an engine's descriptor list, in index order.
 

@@ -47,6 +47,7 @@ import structlog
 from daemon import failpoints
 from daemon.dataplane import digest
 from daemon.dataplane.errors import DataPlaneError
+from daemon.dataplane.geometry import blocks_nbytes
 from schemas import peer as pm
 from schemas.events import Blocks, Event, Registered
 from schemas.reasons import Reason
@@ -104,7 +105,7 @@ class Integrity:
 
     async def _digests(self, engine: EngineState, blocks: Blocks, algorithm: str) -> bytes:
         spec, regions = engine.spec, engine.regions
-        if digest.block_bytes(spec, blocks) <= INLINE_BYTES:
+        if blocks_nbytes(spec, blocks) <= INLINE_BYTES:
             return digest.digests(spec, regions, blocks, algorithm)
         return await asyncio.to_thread(digest.digests, spec, regions, blocks, algorithm)
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from daemon.dataplane.geometry import blocks_nbytes
 from daemon.dataplane.plane import DataPlaneError, WriteResult
 from schemas.events import Event, Refused, WriteStarted
 from schemas.layout import Role
@@ -135,10 +136,7 @@ class Transfers:
             node.spawn(node.react(record, Stimulus.FAILURE, why))
             return
         n_blocks = sum(len(ids) for ids in record.src)
-        nbytes = sum(
-            len(ids) * group.block_bytes * len(group.layers)
-            for ids, group in zip(record.src, engine.spec.groups, strict=True)
-        )
+        nbytes = blocks_nbytes(engine.spec, record.src)
         # Committed now, awaited by the write: the peer hears "writing" only
         # once it is durable; the WRITE is posted meanwhile (see _write).
         started = node.ledger.commit(
