@@ -66,6 +66,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from daemon.client.engine_client import EngineClient
 from daemon.client.errors import ClientError, RpcError
+from daemon.client.vllm_layout import check_supported
 from schemas import rpc
 from schemas.kvlayout import GroupSpec, LayerSpec, RegionSpec
 from schemas.layout import GroupKind, Role
@@ -152,6 +153,8 @@ class KvpushdConnector(KVConnectorBase_V1):
         kv_cache_config: Any = None,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        # Before anything else: a layout the connector cannot pair stops vLLM here.
+        check_supported(vllm_config, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self._node = str(extra.get("node", ""))
         self._address = str(extra.get("address", ""))

@@ -1,0 +1,57 @@
+"""What a vLLM instance's configuration means to KvpushdConnector.
+
+Answered from vLLM's config objects alone (read by attribute: this module
+never imports vLLM, so it is tested without it):
+
+- :func:`check_supported`: can the connector pair this instance's KV at all?
+  It refuses at start-up, with one error naming the setting, a parallel
+  layout it cannot map, instead of failing every request later (a TP 2 pair
+  failed all of its requests with an opaque 500 before this check).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+# Parallel settings the connector serves only at 1, with the flag that sets
+# each. Every rank of a TP or PP instance is its own engine holding some KV
+# heads of some layers; the connector pushes whole blocks between one engine
+# on each side, so a rank would pair with another rank's heads (ARCHITECTURE.md,
+# "vLLM"). Data- and context-parallel ranks are not proven on real vLLM yet.
+SINGLE_RANK_SETTINGS: Final = (
+    ("tensor_parallel_size", "--tensor-parallel-size"),
+    ("pipeline_parallel_size", "--pipeline-parallel-size"),
+    ("data_parallel_size", "--data-parallel-size"),
+    ("decode_context_parallel_size", "--decode-context-parallel-size"),
+    ("prefill_context_parallel_size", "--prefill-context-parallel-size"),
+)
+
+
+class UnsupportedLayout(ValueError):
+    """This vLLM instance's KV cannot be paired by KvpushdConnector; the message says why."""
+
+
+def check_supported(vllm_config: Any, kv_cache_config: Any = None) -> None:
+    """Raise :class:`UnsupportedLayout` for a layout the connector cannot pair.
+
+    Called when vLLM builds the connector (scheduler and every worker), so
+    vLLM refuses to start rather than serve requests that cannot load.
+    """
+    parallel = vllm_config.parallel_config
+    for setting, flag in SINGLE_RANK_SETTINGS:
+        value = getattr(parallel, setting, 1)
+        if value != 1:
+            raise UnsupportedLayout(
+                f"KvpushdConnector: {setting} = {value} ({flag} {value}) is not supported: "
+                f"this connector pairs single-rank instances only (TP, PP, DP and context "
+                f"parallel sizes of 1); start this instance with {flag} 1, or use another KV "
+                f"connector for it"
+            )
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups is not None and len(groups) > 1:
+        raise UnsupportedLayout(
+            f"KvpushdConnector: this model's KV cache has {len(groups)} KV cache groups "
+            f"(hybrid attention, e.g. sliding window beside full attention); this connector "
+            f"moves one group only: start vLLM with --disable-hybrid-kv-cache-manager where the "
+            f"model allows it, or use another KV connector"
+        )

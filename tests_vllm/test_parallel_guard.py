@@ -1,0 +1,65 @@
+"""A vLLM instance whose parallel layout KvpushdConnector cannot pair does not start.
+
+Measured before this guard: a TP 2 prefill and a TP 2 decode both came up
+and every P/D request then failed with an opaque 500 (each rank registered
+the same transfer id; the pairs that formed were rank 1 into rank 0). Now
+the connector refuses at start-up with one error naming the setting, on
+every role, before it registers anything with its daemon: vLLM exits, the
+daemon never sees an engine, so no request can ever report external tokens
+that not every rank could fill.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+from daemon.sim.launcher import Daemon, free_port
+from daemon.sim.vllm_servers import VllmServer, kvpushd_connector_config
+
+REFUSAL = "KvpushdConnector: tensor_parallel_size = 2 (--tensor-parallel-size 2) is not supported"
+
+
+def _vllm_shm() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith("vllm_")}
+
+
+def test_a_tp2_instance_refuses_to_start_with_one_error_naming_the_setting(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    daemon = Daemon("node", tmp_path, free_port()).start()
+    core = sorted(os.sched_getaffinity(0))[0]
+    server = VllmServer(
+        "tp2",
+        tiny_model,
+        tmp_path,
+        core=core,
+        # Both ranks' OpenMP threads on the one core (one list per rank).
+        env={"VLLM_CPU_OMP_THREADS_BIND": f"{core}|{core}"},
+        extra_args=[
+            "--tensor-parallel-size",
+            "2",
+            "--kv-transfer-config",
+            kvpushd_connector_config("kv_both", daemon),
+        ],
+    )
+    shm_before = _vllm_shm()
+    try:
+        server.start()
+        assert server.proc is not None
+        code = server.proc.wait(240)
+        log = server.log.read_text(errors="replace")
+        assert code != 0, log[-4000:]
+        assert REFUSAL in log, log[-4000:]
+        # Refused before the worker spoke to the daemon: nothing was registered.
+        status = daemon.status()
+        assert status["engines"] == {} and status["live"] == 0, status
+        assert "engine registered" not in daemon.logs()
+    finally:
+        server.stop()
+        # A TP instance leaves its shared-memory all-reduce segments behind.
+        for name in _vllm_shm() - shm_before:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{name}")
+        assert daemon.stop() == 0
