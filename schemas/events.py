@@ -17,6 +17,7 @@ from typing import Final
 
 import msgspec
 
+from schemas.fingerprint import Fingerprint
 from schemas.layout import EngineLayout, Role
 from schemas.reasons import Reason
 
@@ -73,6 +74,8 @@ class PeerRegistered(_RequestEvent, frozen=True, tag="peer_registered"):
     engine_id: str
     blocks: Blocks
     per_logical: int = 1
+    # The receiver engine's fingerprint (statemachine/fingerprint.py).
+    fingerprint: Fingerprint | None = None
 
 
 class KvReady(_RequestEvent, frozen=True, tag="kv_ready"):

@@ -12,6 +12,7 @@ import enum
 
 import msgspec
 
+from schemas.fingerprint import Fingerprint
 from schemas.layout import EngineLayout, GroupKind, GroupLayout
 
 
@@ -54,6 +55,7 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     engine_id: str
     groups: tuple[GroupSpec, ...]
     regions: tuple[RegionSpec, ...]
+    fingerprint: Fingerprint | None = None
 
     def layout(self, offload_slots: int = 0) -> EngineLayout:
         """The part of the layout the core reasons about (with the offload pool's size)."""
@@ -61,6 +63,7 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             self.engine_id,
             tuple(GroupLayout(g.kind, g.num_blocks, g.per_logical) for g in self.groups),
             offload_slots,
+            self.fingerprint,
         )
 
 

@@ -6,6 +6,8 @@ import enum
 
 import msgspec
 
+from schemas.fingerprint import Fingerprint
+
 
 class Role(enum.StrEnum):
     """Which side of a transfer a node plays for one request."""
@@ -41,9 +43,13 @@ class EngineLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit
     ``offload_slots`` is how many offload slots the engine's pool has (0: no
     pool); the core hands them out (``Registry.check_register``). Omitted
     when 0, so layouts without a pool encode as they did before pools were
-    the core's.
+    the core's. ``fingerprint`` is what the prefill daemon compares before
+    it pairs a push (statemachine/fingerprint.py).
     """
 
     engine_id: str
     groups: tuple[GroupLayout, ...]
     offload_slots: int = 0
+    # What produced the engine's KV (schemas/fingerprint.py); omitted when
+    # the engine declares none, so such layouts encode as they did before.
+    fingerprint: Fingerprint | None = None

@@ -19,6 +19,7 @@ from typing import Final
 
 import msgspec
 
+from schemas.fingerprint import Fingerprint
 from schemas.kvlayout import RemoteEngine
 from schemas.reasons import Reason
 
@@ -83,6 +84,8 @@ class Forward(_Peer, frozen=True, tag="forward"):
     engine_id: str
     blocks: tuple[tuple[int, ...], ...]
     per_logical: int
+    # The decode engine's fingerprint, from its own daemon (never from a router).
+    fingerprint: Fingerprint | None = None
 
 
 class Writing(_Peer, frozen=True, tag="writing"):

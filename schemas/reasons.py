@@ -37,6 +37,9 @@ class Reason(enum.StrEnum):
     SSM_COUNT_MISMATCH = "ssm_count_mismatch"
     RATIO_PADDING_EXCEEDED = "ratio_padding_exceeded"
     BLOCK_COUNT_MISMATCH = "block_count_mismatch"
+    # The two engines' KV comes from different models, formats or layouts
+    # (schemas/fingerprint.py): refused before anything is written.
+    FINGERPRINT_MISMATCH = "fingerprint_mismatch"
 
     # Lifecycle refusals.
     ILLEGAL_TRANSITION = "illegal_transition"
@@ -82,6 +85,7 @@ REFUSAL_REASONS: frozenset[Reason] = frozenset(
         Reason.SSM_COUNT_MISMATCH,
         Reason.RATIO_PADDING_EXCEEDED,
         Reason.BLOCK_COUNT_MISMATCH,
+        Reason.FINGERPRINT_MISMATCH,
         Reason.ILLEGAL_TRANSITION,
         Reason.OFFLOAD_EXHAUSTED,
         Reason.BAD_SLOT,
@@ -109,6 +113,7 @@ FAILURE_REASONS: frozenset[Reason] = frozenset(
         Reason.SSM_COUNT_MISMATCH,
         Reason.RATIO_PADDING_EXCEEDED,
         Reason.BLOCK_COUNT_MISMATCH,
+        Reason.FINGERPRINT_MISMATCH,
         Reason.ROLE_MISMATCH,
         Reason.DUPLICATE_REQUEST,
         Reason.STALE_INCARNATION,

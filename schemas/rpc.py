@@ -14,6 +14,7 @@ from typing import Final
 
 import msgspec
 
+from schemas.fingerprint import Fingerprint
 from schemas.kvlayout import GroupSpec, RegionSpec
 from schemas.layout import Role
 from schemas.reasons import Reason
@@ -46,6 +47,8 @@ class RegisterEngine(_Request, frozen=True, tag="register_engine"):
     regions: tuple[RegionSpec, ...]
     offload: RegionSpec | None = None
     offload_slots: int = 0
+    # What produced this engine's KV; pushes pair only equal fingerprints.
+    fingerprint: Fingerprint | None = None
 
 
 class RegisterRequest(_Request, frozen=True, tag="register_request"):

@@ -10,6 +10,7 @@ import enum
 import msgspec
 
 from schemas.events import Blocks, PeerRegistered
+from schemas.fingerprint import Fingerprint
 from schemas.layout import EngineLayout, Role
 from schemas.reasons import Reason
 
@@ -58,6 +59,7 @@ class RequestRecord(msgspec.Struct, frozen=True):
     remote_engine: str = ""
     remote_blocks: Blocks | None = None
     remote_per_logical: int = 1
+    remote_fingerprint: Fingerprint | None = None
     src: Blocks | None = None
     dst: Blocks | None = None
     kv_ready: bool = False

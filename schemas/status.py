@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import msgspec
 
+from schemas.fingerprint import Fingerprint
+
 
 class _Part(msgspec.Struct, frozen=True, kw_only=True):
     pass
@@ -36,6 +38,8 @@ class EngineLine(_Part, frozen=True):
     groups: int = 0
     live: int = 0
     offload_free: int | None = None
+    # What produced the engine's KV (None: the engine declared none).
+    fingerprint: Fingerprint | None = None
 
 
 class PeerLine(_Part, frozen=True):

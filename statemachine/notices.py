@@ -135,11 +135,10 @@ def notices(
         out.append(Notice(True, record.engine_id, _engine_message(engine_tell, record, event)))
     if peer_tell is not None:
         node = record.peer if record is not None else peer
-        per_logical = 1
+        layout = None
         if peer_tell is Tell.FORWARD and record is not None and layouts:
             layout = layouts.get(record.engine_id)
-            per_logical = attention_ratio(layout) if layout is not None else 1
-        out.append(Notice(False, node, _peer_message(peer_tell, record, event, per_logical)))
+        out.append(Notice(False, node, _peer_message(peer_tell, record, event, layout)))
     return out
 
 
@@ -166,12 +165,12 @@ def _peer_message(
     tell: Tell,
     record: RequestRecord | None,
     event: RequestEvent | Refused,
-    per_logical: int,
+    layout: EngineLayout | None,
 ) -> pm.PeerMessage:
     rid, inc = event.request_id, event.incarnation
     if tell is Tell.FORWARD:
         assert record is not None
-        return pm.Forward(rid, inc, record.engine_id, record.blocks, per_logical)
+        return forward(record, layout)
     if tell is Tell.WRITING:
         assert isinstance(event, WriteStarted)
         return pm.Writing(rid, inc, event.num_blocks, event.nbytes)
@@ -197,12 +196,30 @@ def on_engine_back(record: RequestRecord) -> list[rpc.Event]:
     return []
 
 
-def on_peer_back(record: RequestRecord, per_logical: int) -> list[pm.PeerMessage]:
+def forward(record: RequestRecord, layout: EngineLayout | None) -> pm.Forward:
+    """A receiver's registration as its pusher's daemon gets it.
+
+    ``layout`` is the receiver engine's: its kernel blocks per logical block
+    and its fingerprint travel with the blocks.
+    """
+    per_logical = attention_ratio(layout) if layout is not None else 1
+    fingerprint = layout.fingerprint if layout is not None else None
+    return pm.Forward(
+        record.request_id,
+        record.incarnation,
+        record.engine_id,
+        record.blocks,
+        per_logical,
+        fingerprint,
+    )
+
+
+def on_peer_back(record: RequestRecord, layout: EngineLayout | None) -> list[pm.PeerMessage]:
     """What a peer that reconnects may have missed about a request it shares."""
     rid, inc = record.request_id, record.incarnation
     if record.role is RECEIVER:
         if awaiting_data(record):
-            return [pm.Forward(rid, inc, record.engine_id, record.blocks, per_logical)]
+            return [forward(record, layout)]
         if record.state is FAILED and not record.settled:
             return [pm.Cancel(rid, inc)]
         return []

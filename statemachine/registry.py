@@ -41,6 +41,7 @@ from schemas.events import (
     RequestEvent,
     Trimmed,
 )
+from schemas.fingerprint import Fingerprint
 from schemas.layout import EngineLayout, GroupKind, Role
 from schemas.reasons import Reason
 from schemas.state import (
@@ -51,6 +52,7 @@ from schemas.state import (
     State,
 )
 from statemachine.errors import IllegalTransition, Refusal
+from statemachine.fingerprint import check_fingerprints
 from statemachine.reactions import Stimulus, Why, react, react_pending
 from statemachine.tombstones import Tombstones
 from statemachine.transitions import apply as apply_transition
@@ -424,6 +426,7 @@ class Registry:
         engine_id: str,
         blocks: Blocks,
         per_logical: int,
+        fingerprint: Fingerprint | None = None,
     ) -> PeerRegistered:
         """Validate a receiver's registration forwarded by its daemon."""
         record = self.live.get(request_id)
@@ -451,7 +454,9 @@ class Registry:
                 )
         if per_logical < 1:
             raise Refusal(Reason.BLOCK_OUT_OF_RANGE, f"per_logical must be >= 1, got {per_logical}")
-        return PeerRegistered(request_id, incarnation, peer, engine_id, blocks, per_logical)
+        return PeerRegistered(
+            request_id, incarnation, peer, engine_id, blocks, per_logical, fingerprint
+        )
 
     def check_kv_ready(self, record: RequestRecord) -> KvReady:
         """The prefill engine's word that the KV is computed: pushers only."""
@@ -460,7 +465,10 @@ class Registry:
         return KvReady(record.request_id, record.incarnation)
 
     def plan_trim(self, request_id: str, incarnation: int) -> Trimmed:
-        """Pair the pusher's blocks with the receiver's; raises TrimRefused."""
+        """Pair the pusher's blocks with the receiver's; raises TrimRefused.
+
+        Refused first when the two engines' fingerprints differ.
+        """
         record = self.lookup(request_id, incarnation)
         if record.role is not PUSHER or record.state is not REGISTERED:
             raise IllegalTransition(
@@ -472,6 +480,9 @@ class Registry:
                 f"request {request_id}#{incarnation}: the receiver's registration has not arrived"
             )
         layout = self._engine(record.engine_id)
+        # Before any pairing: blocks of the right size from another model
+        # would be written, loaded and decoded into wrong tokens.
+        check_fingerprints(layout.fingerprint, record.remote_fingerprint)
         dst, src = apply_prefix_caching(
             record.remote_blocks,
             record.blocks,

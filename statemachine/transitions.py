@@ -163,6 +163,7 @@ def _set_peer_registered(
         remote_engine=e.engine_id,
         remote_blocks=e.blocks,
         remote_per_logical=e.per_logical,
+        remote_fingerprint=e.fingerprint,
     )
 
 

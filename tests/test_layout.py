@@ -78,10 +78,11 @@ RULES = (
     ),
     Rule(
         "vllm-connector",
-        "daemon/client/vllm.py (loaded inside vLLM) imports what the client may, plus vllm and"
-        " torch: never the runtime, the data plane or nixl",
+        "daemon/client/vllm.py (loaded inside vLLM) imports what the client may, plus vllm,"
+        " torch and the pure core (the fingerprint rule): never the runtime, the data plane"
+        " or nixl",
         lambda m: m == "daemon.client.vllm",
-        lambda n: _client_may_use(n) or is_under(n, ("vllm", "torch")),
+        lambda n: _client_may_use(n) or is_under(n, ("vllm", "torch", "statemachine")),
     ),
     Rule(
         "postmortem-ops",

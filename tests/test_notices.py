@@ -28,6 +28,7 @@ from schemas.events import (
     WriteDone,
     WriteStarted,
 )
+from schemas.fingerprint import Fingerprint
 from schemas.layout import EngineLayout, GroupKind, GroupLayout, Role
 from schemas.reasons import Reason
 from schemas.state import State
@@ -50,6 +51,7 @@ WRITE_DONE = WriteDone("r", 1)
 RELEASED = Released("r", 1)
 STARTED = WriteStarted("r", 1, 2, 128)
 REGISTERED = Registered("r", 1, Role.RECEIVER, "e", "peer", ((4, 5),))
+PRINT = Fingerprint("/models/tiny", dtype="float32", block_size=32)
 
 
 # fmt: off
@@ -127,11 +129,13 @@ def test_failures_carry_the_events_reason_and_words():
     assert (to_peer.message.reason, to_peer.message.message) == (Reason.TRANSFER_ERROR, "boom")
 
 
-def test_a_forward_carries_the_receiver_engines_ratio():
-    layout = EngineLayout("e", (GroupLayout(GroupKind.ATTENTION, 64, per_logical=4),))
+def test_a_forward_carries_the_receiver_engines_ratio_and_fingerprint():
+    layout = EngineLayout(
+        "e", (GroupLayout(GroupKind.ATTENTION, 64, per_logical=4),), fingerprint=PRINT
+    )
     event = Registered("r", 1, R, "e", "peer", ((4, 5),))
     (forward,) = notices(record(R, State.REGISTERED), event, Cause.ENGINE, layouts={"e": layout})
-    assert forward.message == pm.Forward("r", 1, "e", ((4, 5),), 4)
+    assert forward.message == pm.Forward("r", 1, "e", ((4, 5),), 4, PRINT)
 
 
 def test_an_engine_back_hears_the_outcome_of_its_finished_requests():
@@ -143,9 +147,15 @@ def test_an_engine_back_hears_the_outcome_of_its_finished_requests():
 
 
 def test_a_peer_back_hears_what_it_may_have_missed():
-    assert on_peer_back(record(R, State.REGISTERED), 2) == [pm.Forward("r", 1, "e", ((4, 5),), 2)]
-    assert on_peer_back(record(R, State.FAILED), 1) == [pm.Cancel("r", 1)]
-    assert on_peer_back(record(R, State.FAILED, settled=True), 1) == []
-    assert on_peer_back(record(P, State.DONE), 1) == [pm.WriteDone("r", 1)]
-    assert on_peer_back(record(P, State.WRITING), 1) == []
+    two = EngineLayout("e", (GroupLayout(GroupKind.ATTENTION, 16, 2),), fingerprint=PRINT)
+    assert on_peer_back(record(R, State.REGISTERED), two) == [
+        pm.Forward("r", 1, "e", ((4, 5),), 2, PRINT)
+    ]
+    assert on_peer_back(record(R, State.REGISTERED), None) == [
+        pm.Forward("r", 1, "e", ((4, 5),), 1, None)
+    ]
+    assert on_peer_back(record(R, State.FAILED), None) == [pm.Cancel("r", 1)]
+    assert on_peer_back(record(R, State.FAILED, settled=True), None) == []
+    assert on_peer_back(record(P, State.DONE), None) == [pm.WriteDone("r", 1)]
+    assert on_peer_back(record(P, State.WRITING), None) == []
     assert final_word(record(P, State.TRIMMED)) == []

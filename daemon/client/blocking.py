@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from daemon.client.engine_client import DEFAULT_TIMEOUT_S, EngineClient, EventCallback
 from daemon.client.errors import CallTimeout, ConnectionLost
 from schemas import rpc
+from schemas.fingerprint import Fingerprint
 from schemas.kvlayout import GroupSpec, RegionSpec
 from schemas.layout import Role
 
@@ -90,11 +91,18 @@ class BlockingEngineClient:
         offload: RegionSpec | None = None,
         offload_slots: int = 0,
         *,
+        fingerprint: Fingerprint | None = None,
         timeout: float | None = None,
     ) -> rpc.Ok:
         return self._run(
             self.client.register_engine(
-                engine_id, groups, regions, offload, offload_slots, timeout=timeout
+                engine_id,
+                groups,
+                regions,
+                offload,
+                offload_slots,
+                fingerprint=fingerprint,
+                timeout=timeout,
             )
         )
 

@@ -40,6 +40,7 @@ from daemon.client.errors import (
 )
 from daemon.framing import EmptyFrame, FrameReader, FrameTooLarge, FrameWriter
 from schemas import rpc
+from schemas.fingerprint import Fingerprint
 from schemas.kvlayout import GroupSpec, RegionSpec
 from schemas.layout import Role
 
@@ -194,9 +195,14 @@ class EngineClient:
         offload: RegionSpec | None = None,
         offload_slots: int = 0,
         *,
+        fingerprint: Fingerprint | None = None,
         timeout: float | None = None,
     ) -> rpc.Ok:
-        """Declare the engine's KV layout and share its memory regions."""
+        """Declare the engine's KV layout and share its memory regions.
+
+        ``fingerprint`` names what produced the KV (model, formats, parallel
+        layout): pushes pair only engines with equal fingerprints.
+        """
         request = rpc.RegisterEngine(
             self._next_id(),
             engine_id=engine_id,
@@ -204,6 +210,7 @@ class EngineClient:
             regions=tuple(regions),
             offload=offload,
             offload_slots=offload_slots,
+            fingerprint=fingerprint,
         )
         return await self._call(request, rpc.Ok, timeout)
 

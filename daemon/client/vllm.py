@@ -30,6 +30,14 @@ thread, and events come back through a queue drained once per step.
   holds: the daemon's tail trim pairs them with the prefill's last blocks).
   ``kv_arrived`` ends the load; a failure ends it with its blocks reported as
   load errors, so vLLM's ``kv_load_failure_policy`` applies.
+- Same model only: the engine registers with a fingerprint of what makes
+  its KV interchangeable (daemon/client/vllm_layout.py), and the prefill's
+  ``kv_transfer_params`` carry it; a decode instance whose fingerprint
+  differs reports no external tokens (it computes the prompt) and sends an
+  empty receiver, which the prefill daemon refuses as
+  ``fingerprint_mismatch`` and so ends the push at once.
+- Shapes: one rank and one KV cache group per instance; any other layout is
+  refused when vLLM builds the connector (``check_supported``).
 - Memory: ``get_mem_pool_context`` makes vLLM's one KV buffer a /dev/shm file
   the daemon maps; ``register_kv_caches`` derives the layout (blocks, layers,
   block bytes) from vLLM's tensors and registers the engine. The file keeps
@@ -56,7 +64,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
+import vllm
 from torch.overrides import TorchFunctionMode
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -66,10 +76,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from daemon.client.engine_client import EngineClient
 from daemon.client.errors import ClientError, RpcError
-from daemon.client.vllm_layout import check_supported
+from daemon.client.vllm_layout import check_supported, fingerprint
 from schemas import rpc
+from schemas.fingerprint import Fingerprint
 from schemas.kvlayout import GroupSpec, LayerSpec, RegionSpec
 from schemas.layout import GroupKind, Role
+from statemachine.fingerprint import first_difference
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -159,16 +171,22 @@ class KvpushdConnector(KVConnectorBase_V1):
         self._node = str(extra.get("node", ""))
         self._address = str(extra.get("address", ""))
         self._block_size = vllm_config.cache_config.block_size
+        # What produced this instance's KV: the same on the scheduler and the worker.
+        self._fingerprint = fingerprint(
+            vllm_config, vllm.__version__, str(extra.get("model_id") or "")
+        )
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if role is KVConnectorRole.SCHEDULER:
-            self._scheduler = _SchedulerSide(self._node, self._address, self._block_size)
+            self._scheduler = _SchedulerSide(
+                self._node, self._address, self._block_size, self._fingerprint
+            )
         else:
             socket_path = extra.get("socket")
             if not socket_path:
                 raise ValueError("KvpushdConnector needs kv_connector_extra_config.socket")
             engine_id = str(extra.get("engine_id") or f"vllm-{self._node or 'node'}-{os.getpid()}")
-            self._worker = _WorkerSide(str(socket_path), engine_id)
+            self._worker = _WorkerSide(str(socket_path), engine_id, self._fingerprint)
 
     # ------------------------------------------------------------- scheduler
 
@@ -247,10 +265,12 @@ class KvpushdConnector(KVConnectorBase_V1):
 
 
 class _SchedulerSide:
-    def __init__(self, node: str, address: str, block_size: int) -> None:
+    def __init__(self, node: str, address: str, block_size: int, fingerprint: Fingerprint) -> None:
         self._node = node
         self._address = address
         self._block_size = block_size
+        self._fingerprint = fingerprint
+        self._sent_fingerprint = msgspec.to_builtins(fingerprint)
         self._pending = KvpushdConnectorMetadata()
         self._pushing: set[str] = set()
         self._loading: set[str] = set()
@@ -261,8 +281,43 @@ class _SchedulerSide:
         params = request.kv_transfer_params or {}
         if not params.get("do_remote_prefill") or not params.get("kvpushd_transfer_id"):
             return 0, False
+        if not self._same_model(request, params):
+            # Never KV from other weights or another layout: this instance
+            # computes the prompt. A receiver with no block still goes out, so
+            # the prefill's daemon ends the push now (its pairing check refuses
+            # it, and both journals name the field) instead of at its deadline.
+            params["do_remote_prefill"] = False
+            if self._first_time(str(params["kvpushd_transfer_id"])):
+                self._pending.forgo.append(_receive_spec(request.request_id, params, ()))
+            return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _same_model(self, request: Request, params: dict[str, Any]) -> bool:
+        """Whether the prefill's KV fingerprint (from ``params``) equals this instance's."""
+        try:
+            sent = msgspec.convert(params.get("kvpushd_fingerprint"), Fingerprint)
+        except msgspec.ValidationError as exc:
+            log.warning(
+                "kvpushd: %s: the prefill's KV fingerprint is missing or unreadable (%s): "
+                "computing the prompt here",
+                request.request_id,
+                exc,
+            )
+            return False
+        difference = first_difference(sent, self._fingerprint)
+        if difference is None:
+            return True
+        field_name, theirs, ours = difference
+        log.warning(
+            "kvpushd: %s: the prefill's KV fingerprint differs in %s (prefill %r, this "
+            "instance %r): computing the prompt here",
+            request.request_id,
+            field_name,
+            theirs,
+            ours,
+        )
+        return False
 
     def after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -309,6 +364,7 @@ class _SchedulerSide:
             "kvpushd_transfer_id": transfer_id,
             "kvpushd_node": self._node,
             "kvpushd_address": self._address,
+            "kvpushd_fingerprint": self._sent_fingerprint,
         }
 
     def _first_time(self, transfer_id: str) -> bool:
@@ -377,9 +433,10 @@ class _SharedAllocation(TorchFunctionMode):
 
 
 class _WorkerSide:
-    def __init__(self, socket_path: str, engine_id: str) -> None:
+    def __init__(self, socket_path: str, engine_id: str, fingerprint: Fingerprint) -> None:
         self._socket = socket_path
         self._engine_id = engine_id
+        self._fingerprint = fingerprint
         _sweep_stale_files()
         # The pid in the name lets a later vLLM remove the file if this one dies.
         self._path = Path(SHM_DIR) / f"{SHM_PREFIX}{os.getpid()}-{engine_id}"
@@ -447,7 +504,9 @@ class _WorkerSide:
         )
         came_on.append(client)
         try:
-            await client.register_engine(self._engine_id, groups, (region,))
+            await client.register_engine(
+                self._engine_id, groups, (region,), fingerprint=self._fingerprint
+            )
         except BaseException:
             await client.close()
             raise

@@ -7,11 +7,18 @@ never imports vLLM, so it is tested without it):
   It refuses at start-up, with one error naming the setting, a parallel
   layout it cannot map, instead of failing every request later (a TP 2 pair
   failed all of its requests with an opaque 500 before this check).
+- :func:`fingerprint`: what produced this instance's KV. The worker
+  registers its engine with it, the prefill scheduler sends it in
+  ``kv_transfer_params``, and the decode scheduler loads remote KV only when
+  the prefill's equals its own (a prefill serving other weights made the
+  decode side serve wrong tokens before this check).
 """
 
 from __future__ import annotations
 
 from typing import Any, Final
+
+from schemas.fingerprint import CONNECTOR_PROTOCOL, Fingerprint
 
 # Parallel settings the connector serves only at 1, with the flag that sets
 # each. Every rank of a TP or PP instance is its own engine holding some KV
@@ -55,3 +62,35 @@ def check_supported(vllm_config: Any, kv_cache_config: Any = None) -> None:
             f"moves one group only: start vLLM with --disable-hybrid-kv-cache-manager where the "
             f"model allows it, or use another KV connector"
         )
+
+
+def fingerprint(vllm_config: Any, engine_version: str, model_id: str = "") -> Fingerprint:
+    """The fingerprint of the KV this vLLM instance computes.
+
+    The same on the scheduler and on every worker (all of it comes from the
+    config). ``model_id`` replaces vLLM's ``--model`` value as the model's
+    identity: for the same weights at different paths on different hosts.
+    """
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", "") or ""
+    layout = f"{device}:{getattr(backend, 'name', backend) or 'auto'}"
+    if getattr(model, "use_mla", False):
+        layout += ":mla"
+    return Fingerprint(
+        model=model_id or str(model.model),
+        revision=str(model.revision or ""),
+        dtype=str(model.dtype).removeprefix("torch."),
+        kv_cache_dtype=str(cache.cache_dtype),
+        block_size=int(cache.block_size),
+        num_layers=int(model.get_total_num_hidden_layers()),
+        num_kv_heads=int(model.get_total_num_kv_heads()),
+        head_size=int(model.get_head_size()),
+        kv_layout=layout,
+        tp_size=int(getattr(parallel, "tensor_parallel_size", 1)),
+        pp_size=int(getattr(parallel, "pipeline_parallel_size", 1)),
+        engine=f"vllm {engine_version}",
+        protocol=CONNECTOR_PROTOCOL,
+    )

@@ -115,7 +115,7 @@ class Engines:
 
     async def register(self, session: EngineSession, req: rpc.RegisterEngine) -> rpc.Reply:
         node = self.node
-        spec = EngineSpec(req.engine_id, req.groups, req.regions)
+        spec = EngineSpec(req.engine_id, req.groups, req.regions, req.fingerprint)
         _check_offload(req)
         existing = self.by_id.get(req.engine_id)
         if existing is not None:

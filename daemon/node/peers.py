@@ -36,7 +36,6 @@ from schemas.reasons import Reason
 from statemachine import Refusal
 from statemachine.notices import final_word, forward_known, no_write_here, on_peer_back
 from statemachine.reactions import Cause, Stimulus, Why, react, react_pending
-from statemachine.registry import attention_ratio
 
 if TYPE_CHECKING:
     from daemon.node.runtime import Node
@@ -189,9 +188,7 @@ class Peers:
         for record in list(registry.live.values()):
             if record.peer != node:
                 continue
-            layout = registry.engines.get(record.engine_id)
-            ratio = attention_ratio(layout) if layout is not None else 1
-            for message in on_peer_back(record, ratio):
+            for message in on_peer_back(record, registry.engines.get(record.engine_id)):
                 self.tell_peer(node, message)
 
     async def peer_engines(
@@ -266,7 +263,13 @@ class Peers:
             return
         try:
             event = own.registry.check_peer_registration(
-                msg.request_id, msg.incarnation, node, msg.engine_id, msg.blocks, msg.per_logical
+                msg.request_id,
+                msg.incarnation,
+                node,
+                msg.engine_id,
+                msg.blocks,
+                msg.per_logical,
+                msg.fingerprint,
             )
         except Refusal as refusal:
             own.counters["refusals"] += 1

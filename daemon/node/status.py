@@ -53,6 +53,7 @@ def status_document(node: Node, version: str) -> StatusDocument:
                 groups=len(e.spec.groups),
                 live=e.live,
                 offload_free=None if e.offload is None else e.offload.free_count,
+                fingerprint=e.spec.fingerprint,
             )
             for engine_id, e in node.engines.by_id.items()
         },

@@ -188,7 +188,14 @@ def _engines(st: dict[str, Any]) -> str:
         )
         for engine_id, e in sorted(st["engines"].items())
     ]
-    return table(["engine", "connected", "live", "groups", "offload free"], rows)
+    lines = [table(["engine", "connected", "live", "groups", "offload free"], rows)]
+    for engine_id, e in sorted(st["engines"].items()):
+        fingerprint = e.get("fingerprint")
+        described = (
+            " ".join(f"{k}={v}" for k, v in fingerprint.items()) if fingerprint else "none declared"
+        )
+        lines.append(f"  {engine_id} fingerprint: {described}")
+    return "\n".join(lines)
 
 
 def _peers(st: dict[str, Any]) -> str:

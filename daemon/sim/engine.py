@@ -54,6 +54,7 @@ from daemon.sim.engine_layout import SimError, SimGroup, SimLayout, expand, tail
 from daemon.sim.engine_shm import SHM_DIR, ShmRegion, allocate, default_shm_prefix
 from daemon.sim.kvpattern import Change, KvView, Mismatch, Pairs, Snapshot
 from schemas import rpc
+from schemas.fingerprint import Fingerprint
 from schemas.kvlayout import GroupSpec, RegionSpec
 from schemas.layout import Role
 
@@ -193,11 +194,13 @@ class SimEngine:
         client_name: str = "",
         background: bool = True,
         timeout: float = 30.0,
+        fingerprint: Fingerprint | None = None,
     ) -> SimEngine:
         """Allocate the cache, fill it, connect, and register the engine.
 
         ``background`` fills every block with this engine's own pattern and
         the guards with a canary first, so a write of zeros is visible too.
+        ``fingerprint`` is what the engine says produced its KV (none by default).
         """
         layout = msgspec.convert(list(layout), SimLayout)
         prefix = shm_prefix or default_shm_prefix(engine_id)
@@ -208,7 +211,9 @@ class SimEngine:
             engine._client = await EngineClient.connect(
                 socket_path, client_name=client_name or f"sim:{engine_id}", timeout=timeout
             )
-            await engine._client.register_engine(engine_id, groups, engine.region_specs)
+            await engine._client.register_engine(
+                engine_id, groups, engine.region_specs, fingerprint=fingerprint
+            )
             engine._pump = asyncio.create_task(engine._pump_events(), name=f"sim-{engine_id}")
         except BaseException:
             await engine.close()

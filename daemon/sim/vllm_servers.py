@@ -478,6 +478,7 @@ def kvpushd_pd(
     *,
     prefill_env: dict[str, str] | None = None,
     eager: bool = True,
+    prefill_model: Path | None = None,
     **decode_config: Any,
 ) -> Iterator[tuple[VllmServer, VllmServer, Any, Any]]:
     """A prefill/decode pair through kvpushd: two daemons (no ``[[peers]]``), two servers.
@@ -486,7 +487,8 @@ def kvpushd_pd(
     The servers sit on the first and the last core this process may use;
     ``decode_config`` adds top-level fields to the decode's connector config
     (``kv_load_failure_policy``), ``prefill_env`` to the prefill daemon's
-    environment (``KVPUSHD_FAILPOINTS``). The decode daemon dials the
+    environment (``KVPUSHD_FAILPOINTS``); ``prefill_model`` serves other
+    weights on the prefill side (default: ``model`` on both). The decode daemon dials the
     prefill's on demand. On exit the servers stop, then both daemons (one
     killed by the caller stays killed); a daemon that does not stop with 0 is
     an error.
@@ -498,7 +500,7 @@ def kvpushd_pd(
     decode = Daemon("decode", workdir, free_port()).start()
     cores = sorted(os.sched_getaffinity(0))
     p = VllmServer(
-        "P", model, workdir, core=cores[0], eager=eager,
+        "P", prefill_model or model, workdir, core=cores[0], eager=eager,
         extra_args=["--kv-transfer-config", kvpushd_connector_config("kv_producer", prefill)],
     )  # fmt: skip
     d = VllmServer(

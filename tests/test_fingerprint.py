@@ -1,0 +1,186 @@
+"""Engine fingerprints: a push pairs only engines whose KV is interchangeable.
+
+The rule (statemachine/fingerprint.py) on its own, then at the process level:
+two real daemons, simulated engines that declare fingerprints, real NIXL.
+A mismatch is refused by the prefill daemon at pairing, before any byte is
+written; both journals carry the typed reason with the differing field,
+both daemons count it, and the decode engine's blocks are untouched.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+
+from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
+from daemon.sim.kvpattern import changed_blocks, snapshot
+from daemon.sim.launcher import free_port
+from schemas import rpc
+from schemas.events import Failed, Refused, Trimmed, WriteStarted
+from schemas.fingerprint import Fingerprint
+from schemas.layout import Role
+from schemas.reasons import Reason
+from statemachine import TrimRefused
+from statemachine.fingerprint import check_fingerprints, first_difference
+from tests.test_metrics import MetricsDaemon, delta
+
+TINY = Fingerprint(
+    "/models/tiny",
+    dtype="float32",
+    kv_cache_dtype="auto",
+    block_size=32,
+    num_layers=2,
+    num_kv_heads=2,
+    head_size=64,
+    kv_layout="cpu:auto",
+    engine="vllm 0.32.0",
+    protocol=1,
+)
+LAYOUT = [SimGroup(num_blocks=64, block_bytes=2048, layers=2)]
+
+# ------------------------------------------------------------------ the rule
+
+
+def test_equal_fingerprints_pair_and_so_do_two_undeclared_ones() -> None:
+    assert first_difference(TINY, msgspec.structs.replace(TINY)) is None
+    assert first_difference(None, None) is None
+    check_fingerprints(TINY, TINY)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("model", "/models/other"),
+        ("revision", "v2"),
+        ("dtype", "bfloat16"),
+        ("kv_cache_dtype", "fp8"),
+        ("block_size", 16),
+        ("num_layers", 3),
+        ("num_kv_heads", 4),
+        ("head_size", 128),
+        ("kv_layout", "cuda:FLASH_ATTN"),
+        ("tp_size", 2),
+        ("pp_size", 2),
+        ("engine", "vllm 0.33.0"),
+        ("protocol", 2),
+    ],
+)
+def test_any_differing_field_is_refused_by_name(field: str, value: object) -> None:
+    other = msgspec.structs.replace(TINY, **{field: value})
+    assert first_difference(TINY, other) == (field, getattr(TINY, field), value)
+    with pytest.raises(TrimRefused) as refused:
+        check_fingerprints(TINY, other)
+    assert refused.value.reason is Reason.FINGERPRINT_MISMATCH
+    assert f"field {field!r} differs" in refused.value.message
+
+
+def test_a_declared_fingerprint_never_pairs_with_an_undeclared_one() -> None:
+    assert first_difference(TINY, None) == ("fingerprint", "declared", "none declared")
+    assert first_difference(None, TINY) == ("fingerprint", "none declared", "declared")
+
+
+def test_every_fingerprint_field_is_named_by_the_parametrized_test() -> None:
+    # A field added to Fingerprint must be compared (and tested) like the others.
+    named = {"model", "revision", "dtype", "kv_cache_dtype", "block_size", "num_layers"}
+    named |= {"num_kv_heads", "head_size", "kv_layout", "tp_size", "pp_size", "engine"}
+    assert set(Fingerprint.__struct_fields__) == named | {"protocol"}
+
+
+# --------------------------------------------------------- two real daemons
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[MetricsDaemon, ...]]:
+    tmp = tmp_path_factory.mktemp("fingerprint")
+    p_port, d_port = free_port(), free_port()
+    prefill = MetricsDaemon("prefill", tmp, p_port, [("decode", d_port)], metrics_port=free_port())
+    decode = MetricsDaemon("decode", tmp, d_port, [("prefill", p_port)], metrics_port=free_port())
+    prefill.start()
+    decode.start()
+    decode.wait_peer("prefill")
+    prefill.wait_peer("decode")
+    yield prefill, decode
+    assert prefill.stop() == 0, prefill.logs()
+    assert decode.stop() == 0, decode.logs()
+
+
+async def _engines(
+    pair: tuple[MetricsDaemon, ...], p_print: Fingerprint | None, d_print: Fingerprint | None
+) -> tuple[SimEngine, SimEngine]:
+    prefill, decode = pair
+    tag = uuid.uuid4().hex[:8]
+    pe = await SimEngine.create(
+        f"p-{tag}", Role.PUSHER, LAYOUT, prefill.socket, fingerprint=p_print
+    )
+    de = await SimEngine.create(
+        f"d-{tag}", Role.RECEIVER, LAYOUT, decode.socket, fingerprint=d_print
+    )
+    return pe, de
+
+
+async def test_equal_fingerprints_push_and_status_shows_them(pair) -> None:
+    prefill, _ = pair
+    pe, de = await _engines(pair, TINY, TINY)
+    try:
+        src, dst = [[3, 4, 5]], [[40, 41, 42]]
+        pairs = tail_pairs(pe.layout, src, de.layout, dst)
+        await de.decode_register("same", dst, "prefill", expect=Expectation(pe.engine_id, pairs))
+        await pe.prefill("same", src)
+        assert isinstance(
+            await de.wait_event("same", (rpc.KvArrived, rpc.RequestFailed)), rpc.KvArrived
+        )
+        assert de.reports[("same", 1)].ok, de.reports[("same", 1)].problems()
+        shown = prefill.status()["engines"][pe.engine_id]["fingerprint"]
+        assert msgspec.convert(shown, Fingerprint) == TINY
+        await de.release("same")
+        await pe.release("same")
+    finally:
+        await pe.close()
+        await de.close()
+
+
+@pytest.mark.parametrize(
+    ("d_print", "field"),
+    [(msgspec.structs.replace(TINY, model="/models/other"), "model"), (None, "fingerprint")],
+)
+async def test_a_mismatch_writes_nothing_and_both_journals_name_the_field(
+    pair, d_print: Fingerprint | None, field: str
+) -> None:
+    prefill, decode = pair
+    p0, d0 = prefill.scrape(), decode.scrape()
+    pe, de = await _engines(pair, TINY, d_print)
+    rid = f"mismatch-{field}"
+    try:
+        before = snapshot(de.view)
+        await de.decode_register(rid, [[10, 11]], "prefill")
+        # Both sides known: the pairing is refused at once, before the KV is ready.
+        await pe.prefill(rid, [[1, 2, 3]], kv_ready=False)
+        p_failed = await pe.wait_event(rid, (rpc.BlocksFreeable, rpc.RequestFailed))
+        d_failed = await de.wait_event(rid, (rpc.KvArrived, rpc.RequestFailed))
+        for failed in (p_failed, d_failed):
+            assert isinstance(failed, rpc.RequestFailed), failed
+            assert failed.reason == Reason.FINGERPRINT_MISMATCH
+            assert f"field {field!r} differs" in failed.message
+        assert changed_blocks(before, de.view) == []
+        await de.release(rid)
+        await pe.release(rid)
+    finally:
+        await pe.close()
+        await de.close()
+    p_events, d_events = prefill.journal_events(rid), decode.journal_events(rid)
+    (refused,) = [e for e in p_events if isinstance(e, Refused)]
+    assert refused.reason is Reason.FINGERPRINT_MISMATCH and field in refused.message
+    for events in (p_events, d_events):
+        (failed_event,) = [e for e in events if isinstance(e, Failed)]
+        assert failed_event.reason is Reason.FINGERPRINT_MISMATCH, events
+        assert f"field {field!r} differs" in failed_event.message
+        assert not [e for e in events if isinstance(e, Trimmed | WriteStarted)], events
+    p1, d1 = prefill.scrape(), decode.scrape()
+    reason = Reason.FINGERPRINT_MISMATCH.value
+    assert delta(p0, p1, "kvpushd_refusals_total", reason=reason) == 1
+    assert delta(p0, p1, "kvpushd_failures_total", reason=reason) == 1
+    assert delta(d0, d1, "kvpushd_failures_total", reason=reason) == 1
+    assert delta(p0, p1, "kvpushd_transfers_started_total") == 0
