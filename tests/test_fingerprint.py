@@ -25,7 +25,7 @@ from schemas.layout import Role
 from schemas.reasons import Reason
 from statemachine import TrimRefused
 from statemachine.fingerprint import check_fingerprints, first_difference
-from tests.test_metrics import MetricsDaemon, delta
+from tests.support.metrics import MetricsDaemon, delta
 
 TINY = Fingerprint(
     "/models/tiny",

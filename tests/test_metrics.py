@@ -13,59 +13,26 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 
 import msgspec
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.node.metrics import NodeMetrics
 from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
-from daemon.sim.launcher import Daemon, free_port
+from daemon.sim.launcher import free_port
 from schemas import rpc
 from schemas.events import DaemonStarted, Failed, Released
 from schemas.layout import Role
 from schemas.reasons import FAILURE_REASONS, REFUSAL_REASONS, Reason
 from schemas.state import RequestRecord, State
 from tests.support import REPO
+from tests.support.metrics import MetricsDaemon, Samples, delta, value
 
 LAYOUT = [
     SimGroup(num_blocks=256, block_bytes=4096, layers=2),
     SimGroup(num_blocks=256, block_bytes=2048, layers=3),
 ]
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-@dataclass
-class MetricsDaemon(Daemon):
-    """A daemon with ``metrics_port`` set."""
-
-    metrics_port: int = 0
-
-    def write_config(self) -> Path:
-        self.extra = f"metrics_port = {self.metrics_port}"
-        return super().write_config()
-
-    def scrape(self) -> Samples:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as response:
-            text = response.read().decode()
-        return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-        }
-
-
-def value(samples: Samples, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
-    return value(after, name, **labels) - value(before, name, **labels)
 
 
 @pytest.fixture(scope="module")

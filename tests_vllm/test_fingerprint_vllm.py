@@ -14,13 +14,12 @@ idle.
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from daemon.sim.launcher import Daemon
+from daemon.sim.launcher import Daemon, wait_idle
 from daemon.sim.tinyllama import TinyLlama, write_tinyllama
 from daemon.sim.vllm_servers import EXTERNAL_TOKENS, VllmServer, kvpushd_pd
 from schemas.events import Failed, Refused, Trimmed, WriteStarted
@@ -35,13 +34,6 @@ def other_weights_pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory)
     other = write_tinyllama(tmp_path_factory.mktemp("other-weights"), TinyLlama(seed=1))
     with kvpushd_pd(tiny_model, tmp_path_factory.mktemp("pd-other"), prefill_model=other) as pd:
         yield pd
-
-
-def _wait_idle(*daemons: Daemon, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while any(daemon.status()["live"] for daemon in daemons):
-        assert time.monotonic() < deadline, [daemon.status()["requests"] for daemon in daemons]
-        time.sleep(0.1)
 
 
 def test_the_decode_side_computes_the_prompt_when_the_prefill_serves_other_weights(
@@ -62,7 +54,7 @@ def test_the_decode_side_computes_the_prompt_when_the_prefill_serves_other_weigh
         assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == own, length
         loaded = d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer") - before
         assert loaded == 0, (length, loaded)
-        _wait_idle(prefill, decode)
+        wait_idle(prefill, decode)
         transfer = sent["kvpushd_transfer_id"]
         p_events, d_events = prefill.journal_events(transfer), decode.journal_events(transfer)
         (refused,) = [e for e in p_events if isinstance(e, Refused)]

@@ -2,11 +2,12 @@
 
 Measured before this guard: a TP 2 prefill and a TP 2 decode both came up
 and every P/D request then failed with an opaque 500 (each rank registered
-the same transfer id; the pairs that formed were rank 1 into rank 0). Now
-the connector refuses at start-up with one error naming the setting, on
-every role, before it registers anything with its daemon: vLLM exits, the
-daemon never sees an engine, so no request can ever report external tokens
-that not every rank could fill.
+the same transfer id; the pairs that formed were rank 1 into rank 0). TP
+ranks now pair (tests_vllm/test_pd_tp.py); a layout still not served, here
+two pipeline stages (each holds only some layers), is refused at start-up
+with one error naming the setting, before the connector registers anything
+with its daemon: vLLM exits, the daemon never sees an engine, so no request
+can ever report external tokens that not every rank could fill.
 """
 
 from __future__ import annotations
@@ -18,27 +19,29 @@ from pathlib import Path
 from daemon.sim.launcher import Daemon, free_port
 from daemon.sim.vllm_servers import VllmServer, kvpushd_connector_config
 
-REFUSAL = "KvpushdConnector: tensor_parallel_size = 2 (--tensor-parallel-size 2) is not supported"
+REFUSAL = (
+    "KvpushdConnector: pipeline_parallel_size = 2 (--pipeline-parallel-size 2) is not supported"
+)
 
 
 def _vllm_shm() -> set[str]:
     return {f for f in os.listdir("/dev/shm") if f.startswith("vllm_")}
 
 
-def test_a_tp2_instance_refuses_to_start_with_one_error_naming_the_setting(
+def test_a_pp2_instance_refuses_to_start_with_one_error_naming_the_setting(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     daemon = Daemon("node", tmp_path, free_port()).start()
     core = sorted(os.sched_getaffinity(0))[0]
     server = VllmServer(
-        "tp2",
+        "pp2",
         tiny_model,
         tmp_path,
         core=core,
-        # Both ranks' OpenMP threads on the one core (one list per rank).
+        # Both stages' OpenMP threads on the one core (one list per rank).
         env={"VLLM_CPU_OMP_THREADS_BIND": f"{core}|{core}"},
         extra_args=[
-            "--tensor-parallel-size",
+            "--pipeline-parallel-size",
             "2",
             "--kv-transfer-config",
             kvpushd_connector_config("kv_both", daemon),

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import os
 import random
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from daemon.sim.launcher import Daemon
+from daemon.sim.launcher import Daemon, wait_idle
 from daemon.sim.vllm_servers import VllmServer, kvpushd_pd
 from schemas.events import Registered, Trimmed
 
@@ -66,14 +65,6 @@ def _pd(p: VllmServer, d: VllmServer, prompt: list[int], params: dict | None = N
     return d.complete(prompt, TOKENS, kv_transfer_params=params or sent).token_ids
 
 
-def _wait_idle(*daemons: Daemon, timeout: float = 30.0) -> None:
-    """Every request ends on both daemons (releases go out asynchronously)."""
-    deadline = time.monotonic() + timeout
-    while any(daemon.status()["live"] for daemon in daemons):
-        assert time.monotonic() < deadline, [daemon.status()["requests"] for daemon in daemons]
-        time.sleep(0.1)
-
-
 def test_decode_tokens_equal_a_single_instance_and_the_prompt_came_from_the_prefill(
     pd: PD,
 ) -> None:
@@ -88,7 +79,7 @@ def test_decode_tokens_equal_a_single_instance_and_the_prompt_came_from_the_pref
         loaded = d.metrics().total(EXTERNAL, source="external_kv_transfer") - before
         # The decode instance loaded the prompt instead of computing it.
         assert loaded >= length - 1, (length, loaded)
-    _wait_idle(prefill, decode)
+    wait_idle(prefill, decode)
     assert prefill.status()["counters"]["writes_done"] - written_before == 4
     (link,) = decode.status()["peers"]
     assert (link["node"], link["on_demand"], link["up"]) == ("prefill", True, True)
@@ -110,7 +101,7 @@ def test_the_oracle_fails_when_the_decode_side_is_given_another_prompts_kv(pd: P
     ]
     wrong = d.complete(b, TOKENS, kv_transfer_params=sent_a).token_ids
     assert wrong != single_b
-    _wait_idle(prefill, decode)
+    wait_idle(prefill, decode)
 
 
 def test_a_decode_prefix_hit_moves_only_the_tail_blocks(pd: PD) -> None:
@@ -129,7 +120,7 @@ def test_a_decode_prefix_hit_moves_only_the_tail_blocks(pd: PD) -> None:
     first = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True})
     sent = first.raw["kv_transfer_params"]
     assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
-    _wait_idle(prefill, decode)
+    wait_idle(prefill, decode)
     transfer = sent["kvpushd_transfer_id"]
     (registered,) = [e for e in decode.journal_events(transfer) if isinstance(e, Registered)]
     (trimmed,) = [e for e in prefill.journal_events(transfer) if isinstance(e, Trimmed)]
@@ -153,7 +144,7 @@ def test_a_full_decode_prefix_hit_moves_only_the_block_of_the_last_token(pd: PD)
     first = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True})
     sent = first.raw["kv_transfer_params"]
     assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
-    _wait_idle(prefill, decode)
+    wait_idle(prefill, decode)
     transfer = sent["kvpushd_transfer_id"]
     (registered,) = [e for e in decode.journal_events(transfer) if isinstance(e, Registered)]
     (trimmed,) = [e for e in prefill.journal_events(transfer) if isinstance(e, Trimmed)]
@@ -175,4 +166,4 @@ def test_thirty_two_concurrent_requests_with_shared_prefixes_are_token_exact(pd:
         got = list(pool.map(lambda prompt: _pd(p, d, prompt), prompts))
     wrong = [i for i, (a, b) in enumerate(zip(got, singles, strict=True)) if a != b]
     assert wrong == []
-    _wait_idle(prefill, decode)
+    wait_idle(prefill, decode)

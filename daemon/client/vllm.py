@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import queue
@@ -82,6 +83,7 @@ from schemas.fingerprint import Fingerprint
 from schemas.kvlayout import GroupSpec, LayerSpec, RegionSpec
 from schemas.layout import GroupKind, Role
 from statemachine.fingerprint import first_difference
+from statemachine.ranks import share_id
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -102,6 +104,8 @@ RECONNECT_MAX_S = 2.0
 CALL_TIMEOUT_S = 30.0
 # Finished request ids remembered until their send ends (pruned past this many).
 _MAX_SEEN = 65536
+# A prefill's TP size read from kv_transfer_params is believed up to this.
+_MAX_RANKS = 256
 
 
 @dataclass(frozen=True)
@@ -115,13 +119,18 @@ class PushSpec:
 
 @dataclass(frozen=True)
 class ReceiveSpec:
-    """A decode request waiting for its prompt's KV in ``block_ids``."""
+    """A decode request waiting for its prompt's KV in ``block_ids``.
+
+    ``source_ranks``: the prefill instance's TP size (from its fingerprint),
+    which names its ranks' shares of the transfer.
+    """
 
     request_id: str
     transfer_id: str
     block_ids: tuple[int, ...]
     peer: str
     peer_address: str
+    source_ranks: int = 1
 
 
 @dataclass(frozen=True)
@@ -185,8 +194,15 @@ class KvpushdConnector(KVConnectorBase_V1):
             socket_path = extra.get("socket")
             if not socket_path:
                 raise ValueError("KvpushdConnector needs kv_connector_extra_config.socket")
+            tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+            rank = _tp_rank() if tp_size > 1 else 0
+            # One engine per rank: each rank's worker holds its own share of the heads.
             engine_id = str(extra.get("engine_id") or f"vllm-{self._node or 'node'}-{os.getpid()}")
-            self._worker = _WorkerSide(str(socket_path), engine_id, self._fingerprint)
+            if tp_size > 1:
+                engine_id += f"-tp{rank}"
+            self._worker = _WorkerSide(
+                str(socket_path), engine_id, self._fingerprint, rank, tp_size
+            )
 
     # ------------------------------------------------------------- scheduler
 
@@ -389,13 +405,22 @@ class _SchedulerSide:
 
 
 def _receive_spec(request_id: str, params: dict[str, Any], block_ids: Any) -> ReceiveSpec:
+    sent = params.get("kvpushd_fingerprint")
+    ranks = sent.get("tp_size", 1) if isinstance(sent, dict) else 1
     return ReceiveSpec(
         request_id,
         str(params["kvpushd_transfer_id"]),
         tuple(block_ids),
         str(params["kvpushd_node"]),
         str(params.get("kvpushd_address", "")),
+        ranks if isinstance(ranks, int) and 1 <= ranks <= _MAX_RANKS else 1,
     )
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
 
 
 # ------------------------------------------------------------------- worker
@@ -433,10 +458,21 @@ class _SharedAllocation(TorchFunctionMode):
 
 
 class _WorkerSide:
-    def __init__(self, socket_path: str, engine_id: str, fingerprint: Fingerprint) -> None:
+    def __init__(
+        self,
+        socket_path: str,
+        engine_id: str,
+        fingerprint: Fingerprint,
+        rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
         self._socket = socket_path
         self._engine_id = engine_id
         self._fingerprint = fingerprint
+        # This worker's TP rank: the daemon knows its share of a transfer by
+        # the rank's own name (statemachine/ranks.py), paired with the same rank.
+        self._rank = rank
+        self._tp_size = tp_size
         _sweep_stale_files()
         # The pid in the name lets a later vLLM remove the file if this one dies.
         self._path = Path(SHM_DIR) / f"{SHM_PREFIX}{os.getpid()}-{engine_id}"
@@ -565,9 +601,11 @@ class _WorkerSide:
     def post(self, metadata: KvpushdConnectorMetadata) -> None:
         generation = self._generation
         for push in metadata.push:
+            push = dataclasses.replace(push, transfer_id=self._ours(push.transfer_id))
             self._sending[push.transfer_id] = (push.request_id, generation)
             self._spawn(self._push(push, generation))
         for receive in metadata.receive:
+            receive = dataclasses.replace(receive, transfer_id=self._ours(receive.transfer_id))
             self._receiving[receive.transfer_id] = (
                 receive.request_id,
                 receive.block_ids,
@@ -576,8 +614,19 @@ class _WorkerSide:
             self._spawn(self._receive(receive, generation))
         if metadata.abort:
             self.abort(metadata.abort)
-        for forgone in metadata.forgo:
-            self._spawn(self._forgo(forgone, generation))
+        if self._rank == 0:
+            # One rank ends every prefill rank's push: the prefill's TP size
+            # may not be this instance's (a fingerprint mismatch), and its
+            # ranks' shares are named by its own size.
+            for forgone in metadata.forgo:
+                for source in range(forgone.source_ranks):
+                    share = share_id(forgone.transfer_id, source, forgone.source_ranks)
+                    forgone_share = dataclasses.replace(forgone, transfer_id=share)
+                    self._spawn(self._forgo(forgone_share, generation))
+
+    def _ours(self, transfer_id: str) -> str:
+        """This rank's share of a transfer, as the daemon names it."""
+        return share_id(transfer_id, self._rank, self._tp_size)
 
     async def _push(self, push: PushSpec, generation: int) -> None:
         try:

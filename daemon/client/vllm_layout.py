@@ -21,12 +21,11 @@ from typing import Any, Final
 from schemas.fingerprint import CONNECTOR_PROTOCOL, Fingerprint
 
 # Parallel settings the connector serves only at 1, with the flag that sets
-# each. Every rank of a TP or PP instance is its own engine holding some KV
-# heads of some layers; the connector pushes whole blocks between one engine
-# on each side, so a rank would pair with another rank's heads (ARCHITECTURE.md,
-# "vLLM"). Data- and context-parallel ranks are not proven on real vLLM yet.
+# each. Tensor parallelism is served (each rank pushes its own KV heads to the
+# decode rank of the same index, and the fingerprint keeps instances of
+# different TP sizes apart); a pipeline stage holds only some layers, and
+# data- and context-parallel ranks are not proven on real vLLM yet.
 SINGLE_RANK_SETTINGS: Final = (
-    ("tensor_parallel_size", "--tensor-parallel-size"),
     ("pipeline_parallel_size", "--pipeline-parallel-size"),
     ("data_parallel_size", "--data-parallel-size"),
     ("decode_context_parallel_size", "--decode-context-parallel-size"),
@@ -50,7 +49,7 @@ def check_supported(vllm_config: Any, kv_cache_config: Any = None) -> None:
         if value != 1:
             raise UnsupportedLayout(
                 f"KvpushdConnector: {setting} = {value} ({flag} {value}) is not supported: "
-                f"this connector pairs single-rank instances only (TP, PP, DP and context "
+                f"this connector pairs tensor-parallel ranks only (PP, DP and context "
                 f"parallel sizes of 1); start this instance with {flag} 1, or use another KV "
                 f"connector for it"
             )

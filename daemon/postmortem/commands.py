@@ -39,7 +39,8 @@ the prefill and decode sides of each request; clock offsets between nodes are
 estimated from the messages they exchanged.
 
 filters (repeat one to OR its values; different filters AND):
-  --request ID     exact id, ID#INCARNATION, or a glob (r00*)
+  --request ID     exact id (a transfer's id also names its TP ranks' shares,
+                   ID@tp0, ID@tp1, ...), ID#INCARNATION, or a glob (r00*)
   --since/--until  ISO (2026-11-29T02:10, local time unless a zone is given),
                    a time of day on the journals' day (02:10), relative to
                    the journals' end or start (-15m, +90s), or epoch seconds

@@ -21,6 +21,7 @@ from daemon.postmortem.formatting import format_time
 from daemon.postmortem.merge import Merged
 from daemon.postmortem.vocab import K_FAILED, K_REFUSED, STATE_LABELS, PostmortemError, RequestKey
 from schemas.reasons import Reason
+from statemachine.ranks import transfer_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,8 +152,10 @@ def resolve_filters(spec: FilterSpec, merged: Merged) -> Filters:
 
 
 class RequestMatcher:
-    """Which request keys ``--request`` names: an exact id, ``ID#N`` for one
-    incarnation, or a glob (``*?[``). Picklable, for worker processes."""
+    """Which request keys ``--request`` names: an exact id (which also names
+    the TP ranks' shares of that transfer, ``ID@tp<r>``, statemachine/ranks.py),
+    ``ID#N`` for one incarnation, or a glob (``*?[``). Picklable, for worker
+    processes."""
 
     def __init__(self, patterns: Sequence[str]) -> None:
         self.exact: set[str] = set()
@@ -168,8 +171,10 @@ class RequestMatcher:
                 self.exact.add(pattern)
 
     def __call__(self, key: RequestKey) -> bool:
+        # An exact transfer id also names its TP ranks' shares (T@tp0, T@tp1...).
         return (
             key[0] in self.exact
+            or transfer_of(key[0]) in self.exact
             or key in self.incarnations
             or any(g.match(key[0]) for g in self.globs)
         )

@@ -287,6 +287,18 @@ class Daemon:
             self.proc.wait()
 
 
+def wait_idle(*daemons: Daemon, timeout: float = 30.0) -> None:
+    """Wait until no daemon holds a live request (releases go out asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while any(daemon.status()["live"] for daemon in daemons):
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"still live after {timeout:.0f} s: "
+                f"{[daemon.status()['requests'] for daemon in daemons]}"
+            )
+        time.sleep(0.1)
+
+
 def daemon_pair(workdir: Path, *, extra: str = "") -> tuple[Daemon, Daemon]:
     """A prefill and a decode daemon that peer with each other (not started)."""
     p_port, d_port = free_port(), free_port()

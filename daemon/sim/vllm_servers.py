@@ -104,6 +104,8 @@ class VllmServer:
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     max_model_len: int = 1024
     max_num_seqs: int = 16
+    # Tensor-parallel ranks (worker processes), all on ``core``.
+    tp: int = 1
     eager: bool = True
     seed: int = 0
     extra_args: Sequence[str] = ()
@@ -157,6 +159,8 @@ class VllmServer:
         ]
         if self.eager:
             cmd.append("--enforce-eager")
+        if self.tp > 1:
+            cmd += ["--tensor-parallel-size", str(self.tp)]
         return [*cmd, *self.extra_args]
 
     def environment(self) -> dict[str, str]:
@@ -169,7 +173,8 @@ class VllmServer:
             PYTHONUNBUFFERED="1",
         )
         if self.core is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.core)
+            # One core list per TP rank, separated by "|": every rank on the one core.
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join([str(self.core)] * self.tp)
         env.update(self.env)
         return env
 
@@ -479,6 +484,8 @@ def kvpushd_pd(
     prefill_env: dict[str, str] | None = None,
     eager: bool = True,
     prefill_model: Path | None = None,
+    prefill_tp: int = 1,
+    decode_tp: int = 1,
     **decode_config: Any,
 ) -> Iterator[tuple[VllmServer, VllmServer, Any, Any]]:
     """A prefill/decode pair through kvpushd: two daemons (no ``[[peers]]``), two servers.
@@ -488,10 +495,12 @@ def kvpushd_pd(
     ``decode_config`` adds top-level fields to the decode's connector config
     (``kv_load_failure_policy``), ``prefill_env`` to the prefill daemon's
     environment (``KVPUSHD_FAILPOINTS``); ``prefill_model`` serves other
-    weights on the prefill side (default: ``model`` on both). The decode daemon dials the
-    prefill's on demand. On exit the servers stop, then both daemons (one
-    killed by the caller stays killed); a daemon that does not stop with 0 is
-    an error.
+    weights on the prefill side (default: ``model`` on both);
+    ``prefill_tp`` and ``decode_tp`` are the servers' tensor-parallel sizes
+    (the shared-memory segments TP servers leave behind are removed after).
+    The decode daemon dials the prefill's on demand. On exit the servers
+    stop, then both daemons (one killed by the caller stays killed); a daemon
+    that does not stop with 0 is an error.
     """
     from daemon.sim.launcher import Daemon
 
@@ -499,12 +508,13 @@ def kvpushd_pd(
     prefill = Daemon("prefill", workdir, free_port(), env=prefill_env or {}).start()
     decode = Daemon("decode", workdir, free_port()).start()
     cores = sorted(os.sched_getaffinity(0))
+    shm_before = vllm_shm_segments()
     p = VllmServer(
-        "P", prefill_model or model, workdir, core=cores[0], eager=eager,
+        "P", prefill_model or model, workdir, core=cores[0], eager=eager, tp=prefill_tp,
         extra_args=["--kv-transfer-config", kvpushd_connector_config("kv_producer", prefill)],
     )  # fmt: skip
     d = VllmServer(
-        "D", model, workdir, core=cores[-1], eager=eager,
+        "D", model, workdir, core=cores[-1], eager=eager, tp=decode_tp,
         extra_args=[
             "--kv-transfer-config",
             kvpushd_connector_config("kv_consumer", decode, **decode_config),
@@ -519,9 +529,22 @@ def kvpushd_pd(
             for daemon in (prefill, decode)
             if daemon.proc is not None and daemon.proc.poll() is None
         }
+        if prefill_tp > 1 or decode_tp > 1:
+            remove_vllm_shm_segments(vllm_shm_segments() - shm_before)
         bad = {node: code for node, code in codes.items() if code != 0}
         if bad:
             raise VllmServerError(f"daemons did not stop cleanly: {bad}")
+
+
+def vllm_shm_segments() -> set[str]:
+    """vLLM's shared-memory files in /dev/shm (a TP instance leaves its all-reduce's behind)."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith("vllm_")}
+
+
+def remove_vllm_shm_segments(names: Iterable[str]) -> None:
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{name}")
 
 
 @contextlib.contextmanager
