@@ -15,14 +15,18 @@ prompt itself (its external-KV prompt-token counter moved).
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import random
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from daemon.journal.replay import replay
 from daemon.sim.launcher import Daemon, wait_idle
 from daemon.sim.vllm_servers import VllmServer, kvpushd_pd
 from schemas.events import Registered, Trimmed
@@ -89,19 +93,109 @@ def test_decode_tokens_equal_a_single_instance_and_the_prompt_came_from_the_pref
         assert metrics.total("vllm:num_requests_waiting") == 0, server.name
 
 
-def test_the_oracle_fails_when_the_decode_side_is_given_another_prompts_kv(pd: PD) -> None:
-    """Negative control: decode prompt B on the blocks of prompt A; its tokens change."""
+@pytest.mark.parametrize("b_length", [96, 64], ids=["same length", "other length"])
+def test_kv_of_another_prompt_is_never_loaded_the_decode_computes_its_own(
+    pd: PD, b_length: int
+) -> None:
+    """A router that changed the prompt between the legs: B decoded with A's params.
+
+    Before prompt identity this served wrong tokens (it was the oracle's
+    negative control: B's tokens changed). The prefill's params now carry
+    A's length and digest; the decode side sees B is not A and computes B
+    itself, and A's push ends at once (an empty receiver: nothing written).
+    """
     p, d, prefill, decode = pd
     rng = random.Random(4)
     a = [rng.randrange(2, 512) for _ in range(96)]
-    b = [rng.randrange(2, 512) for _ in range(96)]
-    single_b = p.complete(b, TOKENS).token_ids
+    b = [rng.randrange(2, 512) for _ in range(b_length)]
+    single_a, single_b = p.complete(a, TOKENS).token_ids, p.complete(b, TOKENS).token_ids
+    assert single_a != single_b  # the oracle tells the two prompts apart
     sent_a = p.complete(a, 1, kv_transfer_params={"do_remote_decode": True}).raw[
         "kv_transfer_params"
     ]
-    wrong = d.complete(b, TOKENS, kv_transfer_params=sent_a).token_ids
-    assert wrong != single_b
+    assert sent_a["kvpushd_prompt_len"] == 96 and len(sent_a["kvpushd_prompt_digest"]) == 32
+    before = d.metrics().total(EXTERNAL, source="external_kv_transfer")
+    assert d.complete(b, TOKENS, kv_transfer_params=sent_a).token_ids == single_b
+    assert d.metrics().total(EXTERNAL, source="external_kv_transfer") == before
+    wait_idle(prefill, decode, timeout=10)  # well before the push's 30 s deadline
+    (trimmed,) = [
+        e for e in prefill.journal_events(sent_a["kvpushd_transfer_id"]) if isinstance(e, Trimmed)
+    ]
+    assert trimmed.dst == ((),)  # the empty receiver: no byte of A was written
+    assert "computing the prompt here" in d.log.read_text(errors="replace")
+
+
+def test_the_same_transfer_sent_twice_loads_once_and_never_hangs(pd: PD) -> None:
+    """A client that retries or hedges: the same params at once, and again after.
+
+    One request loads the KV; the others compute the prompt themselves. Every
+    answer equals a single instance's, none waits forever, both daemons end
+    idle and the decode instance holds no request.
+    """
+    p, d, prefill, decode = pd
+    rng = random.Random(9)
+    prompt = [rng.randrange(2, 512) for _ in range(128)]
+    single = p.complete(prompt, TOKENS).token_ids
+    sent = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True}).raw[
+        "kv_transfer_params"
+    ]
+    before = d.metrics().total(EXTERNAL, source="external_kv_transfer")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        twice = list(
+            pool.map(
+                lambda _: d.complete(prompt, TOKENS, kv_transfer_params=sent, timeout_s=60),
+                range(2),
+            )
+        )
+    assert [c.token_ids for c in twice] == [single, single]
+    again = d.complete(prompt, TOKENS, kv_transfer_params=sent, timeout_s=60)
+    assert again.token_ids == single
+    loaded = d.metrics().total(EXTERNAL, source="external_kv_transfer") - before
+    assert len(prompt) - 1 <= loaded <= len(prompt), loaded  # one load, not two
     wait_idle(prefill, decode)
+    registered = [
+        e for e in decode.journal_events(sent["kvpushd_transfer_id"]) if isinstance(e, Registered)
+    ]
+    assert len(registered) == 1, registered
+    metrics = d.metrics()
+    assert metrics.total("vllm:num_requests_running") == 0
+    assert metrics.total("vllm:num_requests_waiting") == 0
+
+
+def test_a_prefill_request_aborted_by_its_client_registers_no_push(pd: PD) -> None:
+    """A prefill leg whose client went away: nobody needs its KV, nothing is pushed."""
+    p, _, prefill, _ = pd
+    rng = random.Random(10)
+    before = _registered_count(prefill)
+    prompt = [rng.randrange(2, 512) for _ in range(64)]
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 900,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+    conn = http.client.HTTPConnection("127.0.0.1", p.port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.readline()  # generating: the prompt is computed, the client goes
+    conn.close()
+    deadline = time.monotonic() + 20
+    while p.metrics().total("vllm:num_requests_running"):
+        assert time.monotonic() < deadline, "the aborted request still runs"
+        time.sleep(0.1)
+    time.sleep(0.5)  # a push, had one been posted, reaches the daemon by now
+    assert _registered_count(prefill) == before
+    assert prefill.status()["live"] == 0
+
+
+def _registered_count(daemon: Daemon) -> int:
+    out: list[object] = []
+    replay(daemon.journal, on_record=lambda record, _: out.append(record.event))
+    return sum(isinstance(e, Registered) for e in out)
 
 
 def test_a_decode_prefix_hit_moves_only_the_tail_blocks(pd: PD) -> None:

@@ -36,8 +36,13 @@ thread, and events come back through a queue drained once per step.
   differs reports no external tokens (it computes the prompt) and sends an
   empty receiver, which the prefill daemon refuses as
   ``fingerprint_mismatch`` and so ends the push at once.
-- Shapes: one rank and one KV cache group per instance; any other layout is
-  refused when vLLM builds the connector (``check_supported``).
+- Same prompt only: the params carry the prompt's length and digest; a
+  decode request whose prompt differs computes it. One request per
+  transfer: a second request with the same params (a retry) computes its
+  prompt. A prefill request that ended by abort pushes nothing.
+- Shapes: TP ranks (each rank's share is its own daemon request,
+  statemachine/ranks.py) and one KV cache group; PP, DP and context
+  parallel are refused when vLLM builds the connector (``check_supported``).
 - Memory: ``get_mem_pool_context`` makes vLLM's one KV buffer a /dev/shm file
   the daemon maps; ``register_kv_caches`` derives the layout (blocks, layers,
   block bytes) from vLLM's tensors and registers the engine. The file keeps
@@ -74,10 +79,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.request import RequestStatus
 
 from daemon.client.engine_client import EngineClient
 from daemon.client.errors import ClientError, RpcError
-from daemon.client.vllm_layout import check_supported, fingerprint
+from daemon.client.vllm_layout import check_supported, fingerprint, prompt_digest
 from schemas import rpc
 from schemas.fingerprint import Fingerprint
 from schemas.kvlayout import GroupSpec, LayerSpec, RegionSpec
@@ -106,6 +112,9 @@ CALL_TIMEOUT_S = 30.0
 _MAX_SEEN = 65536
 # A prefill's TP size read from kv_transfer_params is believed up to this.
 _MAX_RANKS = 256
+# How a prefill request must have ended for its KV to be pushed: its prompt
+# was computed (it stopped, or hit its length). An abort pushes nothing.
+_COMPUTED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED})
 
 
 @dataclass(frozen=True)
@@ -292,48 +301,68 @@ class _SchedulerSide:
         self._loading: set[str] = set()
         # Transfer ids a receiver was registered for, oldest first (bounded).
         self._received: dict[str, None] = {}
+        # Transfer id -> the one request that may load it (bounded): a second
+        # request with the same params (a retry, a hedge) computes its prompt.
+        self._claims: dict[str, str] = {}
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
         if not params.get("do_remote_prefill") or not params.get("kvpushd_transfer_id"):
             return 0, False
-        if not self._same_model(request, params):
-            # Never KV from other weights or another layout: this instance
-            # computes the prompt. A receiver with no block still goes out, so
-            # the prefill's daemon ends the push now (its pairing check refuses
-            # it, and both journals name the field) instead of at its deadline.
-            params["do_remote_prefill"] = False
-            if self._first_time(str(params["kvpushd_transfer_id"])):
+        transfer_id = str(params["kvpushd_transfer_id"])
+        owner = self._claims.get(transfer_id)
+        if owner is not None and owner != request.request_id:
+            # The transfer is the other request's: nothing of it is this one's to end.
+            self._compute_here(request, params, f"transfer {transfer_id} is loaded by {owner}")
+            return 0, False
+        why = self._why_not(request, params)
+        if why is not None:
+            # Never KV from other weights, another layout or another prompt:
+            # this instance computes the prompt. A receiver with no block still
+            # goes out, so the prefill's daemon ends the push now (its pairing
+            # check refuses a fingerprint mismatch, and both journals name the
+            # field) instead of at its deadline.
+            self._compute_here(request, params, why)
+            if self._first_time(transfer_id):
                 self._pending.forgo.append(_receive_spec(request.request_id, params, ()))
             return 0, False
+        self._claim(transfer_id, request.request_id)
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def _same_model(self, request: Request, params: dict[str, Any]) -> bool:
-        """Whether the prefill's KV fingerprint (from ``params``) equals this instance's."""
+    def _compute_here(self, request: Request, params: dict[str, Any], why: str) -> None:
+        log.warning("kvpushd: %s: %s: computing the prompt here", request.request_id, why)
+        params["do_remote_prefill"] = False
+
+    def _why_not(self, request: Request, params: dict[str, Any]) -> str | None:
+        """Why the prefill's KV (as ``params`` describe it) is not this request's, or None."""
         try:
             sent = msgspec.convert(params.get("kvpushd_fingerprint"), Fingerprint)
         except msgspec.ValidationError as exc:
-            log.warning(
-                "kvpushd: %s: the prefill's KV fingerprint is missing or unreadable (%s): "
-                "computing the prompt here",
-                request.request_id,
-                exc,
-            )
-            return False
+            return f"the prefill's KV fingerprint is missing or unreadable ({exc})"
         difference = first_difference(sent, self._fingerprint)
-        if difference is None:
-            return True
-        field_name, theirs, ours = difference
-        log.warning(
-            "kvpushd: %s: the prefill's KV fingerprint differs in %s (prefill %r, this "
-            "instance %r): computing the prompt here",
-            request.request_id,
-            field_name,
-            theirs,
-            ours,
-        )
-        return False
+        if difference is not None:
+            field_name, theirs, ours = difference
+            return (
+                f"the prefill's KV fingerprint differs in {field_name} (prefill {theirs!r}, "
+                f"this instance {ours!r})"
+            )
+        prompt = request.prompt_token_ids
+        if prompt is None:
+            return "the request has no prompt token ids to compare with the prefill's"
+        if params.get("kvpushd_prompt_len") != len(prompt):
+            return (
+                f"the prefill computed a prompt of {params.get('kvpushd_prompt_len')!r} tokens, "
+                f"this request's has {len(prompt)}"
+            )
+        if params.get("kvpushd_prompt_digest") != prompt_digest(prompt):
+            return "the prefill computed another prompt of the same length (digests differ)"
+        return None
+
+    def _claim(self, transfer_id: str, request_id: str) -> None:
+        self._claims[transfer_id] = request_id
+        if len(self._claims) > _MAX_SEEN:
+            del self._claims[next(iter(self._claims))]
 
     def after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -371,6 +400,10 @@ class _SchedulerSide:
             return False, None
         if not params.get("do_remote_decode") or not block_ids:
             return False, None
+        if request.status not in _COMPUTED or request.prompt_token_ids is None:
+            # Aborted, or ended before its prompt was computed: nobody needs
+            # its KV, and its blocks go back to vLLM now.
+            return False, None
         transfer_id = request.request_id
         self._pending.push.append(PushSpec(request.request_id, transfer_id, tuple(block_ids)))
         self._pushing.add(request.request_id)
@@ -381,6 +414,9 @@ class _SchedulerSide:
             "kvpushd_node": self._node,
             "kvpushd_address": self._address,
             "kvpushd_fingerprint": self._sent_fingerprint,
+            # Which prompt the KV is of: the decode side checks it is its own.
+            "kvpushd_prompt_len": len(request.prompt_token_ids),
+            "kvpushd_prompt_digest": prompt_digest(request.prompt_token_ids),
         }
 
     def _first_time(self, transfer_id: str) -> bool:
@@ -606,6 +642,19 @@ class _WorkerSide:
             self._spawn(self._push(push, generation))
         for receive in metadata.receive:
             receive = dataclasses.replace(receive, transfer_id=self._ours(receive.transfer_id))
+            if receive.transfer_id in self._receiving:
+                # Another request loads this transfer (the scheduler lets only
+                # one claim it; this guards its bounded memory): this one
+                # registers nothing, so no write can reach its blocks, and its
+                # load ends now as load errors.
+                log.warning(
+                    "kvpushd: %s: transfer %s is already loading for another request",
+                    receive.request_id,
+                    receive.transfer_id,
+                )
+                self._load_errors.update(receive.block_ids)
+                self._done_receiving.add(receive.request_id)
+                continue
             self._receiving[receive.transfer_id] = (
                 receive.request_id,
                 receive.block_ids,

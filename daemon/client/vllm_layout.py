@@ -7,6 +7,9 @@ never imports vLLM, so it is tested without it):
   It refuses at start-up, with one error naming the setting, a parallel
   layout it cannot map, instead of failing every request later (a TP 2 pair
   failed all of its requests with an opaque 500 before this check).
+- :func:`prompt_digest`: which prompt a transfer's KV was computed for, so
+  that a router that changed the prompt between the legs gets a local
+  prefill, never another prompt's KV.
 - :func:`fingerprint`: what produced this instance's KV. The worker
   registers its engine with it, the prefill scheduler sends it in
   ``kv_transfer_params``, and the decode scheduler loads remote KV only when
@@ -16,6 +19,9 @@ never imports vLLM, so it is tested without it):
 
 from __future__ import annotations
 
+import array
+import hashlib
+from collections.abc import Sequence
 from typing import Any, Final
 
 from schemas.fingerprint import CONNECTOR_PROTOCOL, Fingerprint
@@ -93,3 +99,12 @@ def fingerprint(vllm_config: Any, engine_version: str, model_id: str = "") -> Fi
         engine=f"vllm {engine_version}",
         protocol=CONNECTOR_PROTOCOL,
     )
+
+
+def prompt_digest(token_ids: Sequence[int]) -> str:
+    """A digest of a prompt's token ids (BLAKE2b-128 over them as int64, hex).
+
+    Sent by the prefill with the prompt's length in ``kv_transfer_params``;
+    the decode side loads the KV only for a prompt with the same digest.
+    """
+    return hashlib.blake2b(array.array("q", token_ids).tobytes(), digest_size=16).hexdigest()
