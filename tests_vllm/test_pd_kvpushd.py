@@ -47,9 +47,9 @@ def pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
     # process and the next connector to start on the machine removes it.
     left = _kv_files()
     assert all(not os.path.exists(f"/proc/{_owner(f)}") for f in left), left
-    from daemon.client.vllm import _sweep_stale_files
+    from daemon.client.kvfile import sweep_stale_kv_files
 
-    _sweep_stale_files()
+    sweep_stale_kv_files(Path("/dev/shm"), "kvpushd-vllm-")
     assert not _kv_files()
 
 

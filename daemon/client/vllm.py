@@ -43,12 +43,15 @@ thread, and events come back through a queue drained once per step.
 - Shapes: TP ranks (each rank's share is its own daemon request,
   statemachine/ranks.py) and one KV cache group; PP, DP and context
   parallel are refused when vLLM builds the connector (``check_supported``).
+- No daemon yet: vLLM starts anyway and serves without remote KV (its
+  pushes and loads end at once) until the daemon is up, then registers.
 - Memory: ``get_mem_pool_context`` makes vLLM's one KV buffer a /dev/shm file
   the daemon maps; ``register_kv_caches`` derives the layout (blocks, layers,
   block bytes) from vLLM's tensors and registers the engine. The file keeps
   its name while vLLM runs (a restarted daemon maps it again) and goes at
   shutdown; one left by a vLLM killed with SIGKILL is removed by the next
-  connector that starts on the machine.
+  connector that starts on the machine (the owner holds a lock on it for its
+  life, daemon/client/kvfile.py, so a live one is never removed).
 - Daemon restarts: the worker notices the connection end at once, ends what
   that connection held (sends: blocks back to vLLM; loads: load errors) and
   reconnects with backoff, registering the engine again.
@@ -83,6 +86,7 @@ from vllm.v1.request import RequestStatus
 
 from daemon.client.engine_client import EngineClient
 from daemon.client.errors import ClientError, RpcError
+from daemon.client.kvfile import create_kv_file, sweep_stale_kv_files
 from daemon.client.vllm_layout import check_supported, fingerprint, prompt_digest
 from schemas import rpc
 from schemas.fingerprint import Fingerprint
@@ -469,6 +473,8 @@ class _SharedAllocation(TorchFunctionMode):
         super().__init__()
         self.path = path
         self.buffer: torch.Tensor | None = None
+        # Holds the file's lock for the process's life (daemon/client/kvfile.py).
+        self.lock_fd: int | None = None
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -483,11 +489,7 @@ class _SharedAllocation(TorchFunctionMode):
             and torch.device(kwargs.get("device", "cpu")).type == "cpu"
         ):
             size = args[0]
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, size)  # a new file reads as zeros
-            finally:
-                os.close(fd)
+            self.lock_fd = create_kv_file(self.path, size)
             self.buffer = torch.from_file(str(self.path), shared=True, size=size, dtype=torch.int8)
             return self.buffer
         return func(*args, **kwargs)
@@ -509,7 +511,7 @@ class _WorkerSide:
         # the rank's own name (statemachine/ranks.py), paired with the same rank.
         self._rank = rank
         self._tp_size = tp_size
-        _sweep_stale_files()
+        sweep_stale_kv_files(Path(SHM_DIR), SHM_PREFIX)
         # The pid in the name lets a later vLLM remove the file if this one dies.
         self._path = Path(SHM_DIR) / f"{SHM_PREFIX}{os.getpid()}-{engine_id}"
         self._allocation: _SharedAllocation | None = None
@@ -559,7 +561,16 @@ class _WorkerSide:
         self._layout = _layout(kv_caches, allocation.buffer, self._path)
         # The file keeps its name while vLLM runs: a restarted daemon maps it
         # again when the connector registers anew.
-        self._run(self._connect())
+        try:
+            self._run(self._connect())
+        except (ClientError, OSError) as exc:
+            # vLLM serves without remote KV until its daemon is up (pushes
+            # and loads end at once, as with a daemon that went away).
+            log.warning(
+                "kvpushd: no daemon at %s (%s): serving without remote KV until it is up",
+                self._socket,
+                exc,
+            )
         self._spawn(self._supervise())
 
     async def _connect(self) -> None:
@@ -595,15 +606,15 @@ class _WorkerSide:
         """
         while not self._closing:
             client = self._client
-            assert client is not None
-            why = await client.wait_closed()
-            if self._closing:
-                return
-            log.warning("kvpushd: lost the daemon at %s: %s", self._socket, why)
-            self._client = None
-            # What a restarted daemon resends about them is not ours to wait for.
-            self._posted = set()
-            self._events.put(DaemonLost(self._generation))
+            if client is not None:
+                why = await client.wait_closed()
+                if self._closing:
+                    return
+                log.warning("kvpushd: lost the daemon at %s: %s", self._socket, why)
+                self._client = None
+                # What a restarted daemon resends about them is not ours to wait for.
+                self._posted = set()
+                self._events.put(DaemonLost(self._generation))
             delay = RECONNECT_FIRST_S
             while not self._closing:
                 try:
@@ -857,27 +868,9 @@ class _WorkerSide:
         self._thread.join(timeout=5)
         with contextlib.suppress(FileNotFoundError):
             self._path.unlink()
-
-
-def _sweep_stale_files() -> None:
-    """Remove KV cache files left by a vLLM that died without shutting down."""
-    for path in Path(SHM_DIR).glob(f"{SHM_PREFIX}*"):
-        pid = path.name[len(SHM_PREFIX) :].split("-", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        with contextlib.suppress(OSError):  # another user's, or already gone
-            if path.stat().st_uid == os.getuid():
-                path.unlink()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        if self._allocation is not None and self._allocation.lock_fd is not None:
+            os.close(self._allocation.lock_fd)
+            self._allocation.lock_fd = None
 
 
 def _log_failure(future: Any) -> None:
