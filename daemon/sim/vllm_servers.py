@@ -549,23 +549,29 @@ def remove_vllm_shm_segments(names: Iterable[str]) -> None:
 
 @contextlib.contextmanager
 def nixl_push_pd(
-    model: Path, workdir: Path, *, eager: bool = True
+    model: Path, workdir: Path, *, eager: bool = True, tp: int = 1
 ) -> Iterator[tuple[VllmServer, VllmServer]]:
     """vLLM's own P/D anchor: NixlPushConnector on both servers, one core each.
 
-    Yields (prefill server, decode server); no daemon is involved.
+    Yields (prefill server, decode server); no daemon is involved. ``tp``
+    is both servers' tensor-parallel size.
     """
     cores = sorted(os.sched_getaffinity(0))
+    shm_before = vllm_shm_segments()
     servers = [
         VllmServer(
-            name, model, workdir, core=core, eager=eager,
+            name, model, workdir, core=core, eager=eager, tp=tp,
             extra_args=["--kv-transfer-config", nixl_push_connector_config()],
             env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
         )
         for name, core in (("nixl-P", cores[0]), ("nixl-D", cores[-1]))
     ]  # fmt: skip
-    with running(*servers):
-        yield servers[0], servers[1]
+    try:
+        with running(*servers):
+            yield servers[0], servers[1]
+    finally:
+        if tp > 1:
+            remove_vllm_shm_segments(vllm_shm_segments() - shm_before)
 
 
 # ------------------------------------------------------------ metrics
