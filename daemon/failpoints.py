@@ -121,6 +121,11 @@ POINTS: Final[Mapping[str, Point]] = MappingProxyType(
         "engine.reply": Point(
             "engine_server Session.send: before a reply or event frame to an engine", io=False
         ),
+        "engine.accepted": Point(
+            "EngineServer._reply: a registration was accepted and the reply's send fails "
+            "(error): that engine's connection ends while the daemon lives",
+            io=True,
+        ),
         "integrity.flip_dst": Point(
             "Integrity.landed (daemon/node/integrity.py): the receiver heard the data "
             "landed; flip one byte of its first destination block before any check",

@@ -110,6 +110,9 @@ class HelloOk(_Reply, frozen=True, tag="hello_ok"):
     node: str
     protocol: int
     version: str
+    # This daemon process's boot id: a client that reconnects tells by it
+    # whether the daemon that held its requests lived (same id) or not.
+    boot_id: str = ""
 
 
 class RequestAccepted(_Reply, frozen=True, tag="request_accepted"):

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Final, TypeVar
 
@@ -34,6 +35,7 @@ import msgspec
 from daemon.client.errors import (
     CallTimeout,
     ConnectionLost,
+    DaemonUnreachable,
     ProtocolError,
     RequestTooLarge,
     RpcError,
@@ -94,6 +96,7 @@ class EngineClient:
         self._reader_task: asyncio.Task[None] | None = None
         self.node = ""
         self.server_version = ""
+        self.boot_id = ""  # the daemon process's (HelloOk), once connected
         self.protocol = 0
 
     # ------------------------------------------------------------ lifecycle
@@ -121,6 +124,8 @@ class EngineClient:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_unix_connection(socket_path), timeout
             )
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise DaemonUnreachable(f"cannot connect to {socket_path}: {exc}") from exc
         except (OSError, TimeoutError) as exc:
             raise ConnectionLost(f"cannot connect to {socket_path}: {exc}") from exc
         client = cls(
@@ -154,6 +159,7 @@ class EngineClient:
                 f"this client speaks {rpc.PROTOCOL_VERSION}"
             )
         self.node, self.server_version, self.protocol = reply.node, reply.version, reply.protocol
+        self.boot_id = reply.boot_id
 
     async def close(self) -> None:
         """Close the connection; pending calls fail with :class:`ConnectionLost`."""
@@ -317,7 +323,8 @@ class EngineClient:
             await self._send(request)
             limit = self.timeout if timeout is None else timeout
             try:
-                reply = await asyncio.wait_for(future, limit)
+                # math.inf: as long as the connection lives (its loss ends the wait).
+                reply = await (future if limit == math.inf else asyncio.wait_for(future, limit))
             except TimeoutError:
                 raise CallTimeout(
                     f"no reply to {type(request).__name__} (id {request.id}) within {limit} s"

@@ -45,6 +45,10 @@ class ConnectionLost(ClientError):
         self.daemon_error = daemon_error
 
 
+class DaemonUnreachable(ConnectionLost):
+    """Nobody listens on the socket (it is gone, or refuses): no daemon process serves it."""
+
+
 class ProtocolError(ClientError):
     """The daemon sent something this client cannot accept (wrong reply kind,
     undecodable reply, unsupported protocol version)."""

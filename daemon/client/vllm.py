@@ -52,9 +52,15 @@ thread, and events come back through a queue drained once per step.
   shutdown; one left by a vLLM killed with SIGKILL is removed by the next
   connector that starts on the machine (the owner holds a lock on it for its
   life, daemon/client/kvfile.py, so a live one is never removed).
-- Daemon restarts: the worker notices the connection end at once, ends what
-  that connection held (sends: blocks back to vLLM; loads: load errors) and
-  reconnects with backoff, registering the engine again.
+- Daemon restarts: the worker notices the connection end at once and
+  reconnects with backoff, registering the engine again. A lost connection
+  is not an answer: what it held ends (sends: blocks back to vLLM; loads:
+  load errors) only once its daemon is known gone (nobody listens on the
+  socket, or another daemon process answers: its boot id differs). When the
+  same daemon answers, it lived: it says again what became of each
+  transfer, calls whose answers were lost are asked again, and no block
+  goes back while a write can still touch it. Calls that register or say
+  kv_ready wait as long as the connection lives (no time limit).
 
 This is the only module of kvpushd that imports vLLM.
 """
@@ -65,6 +71,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import queue
 import threading
@@ -85,13 +92,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from daemon.client.engine_client import EngineClient
-from daemon.client.errors import ClientError, RpcError
+from daemon.client.errors import ClientError, DaemonUnreachable, RpcError
 from daemon.client.kvfile import create_kv_file, sweep_stale_kv_files
 from daemon.client.vllm_layout import check_supported, fingerprint, prompt_digest
 from schemas import rpc
 from schemas.fingerprint import Fingerprint
 from schemas.kvlayout import GroupSpec, LayerSpec, RegionSpec
 from schemas.layout import GroupKind, Role
+from schemas.reasons import Reason
 from statemachine.fingerprint import first_difference
 from statemachine.ranks import share_id
 
@@ -540,6 +548,8 @@ class _WorkerSide:
         self._posted: set[str] = set()
         # Transfers whose release was asked and not yet answered (loop thread).
         self._releasing: set[str] = set()
+        # Transfers whose registration's answer a lost connection took (loop thread).
+        self._unsure: dict[str, PushSpec | ReceiveSpec] = {}
 
     # memory -------------------------------------------------------------
 
@@ -575,7 +585,9 @@ class _WorkerSide:
             )
         self._spawn(self._supervise())
 
-    async def _connect(self) -> None:
+    async def _connect(self, lost: tuple[int, str] | None = None) -> None:
+        """Connect and register the engine; ``lost``: (generation, boot id) of the connection
+        that ended, whose daemon's fate this connection tells."""
         assert self._layout is not None
         groups, region = self._layout
         # The connection an event came on (resent outcomes come before the
@@ -588,6 +600,11 @@ class _WorkerSide:
             queue_events=False,  # the callback is the only consumer
         )
         came_on.append(client)
+        lived = lost is not None and bool(lost[1]) and client.boot_id == lost[1]
+        if lost is not None and not lived:
+            # Another daemon process: the one that held those transfers is
+            # gone, and with it every NIXL operation it could still post.
+            self._daemon_gone(lost[0])
         try:
             await client.register_engine(
                 self._engine_id, groups, (region,), fingerprint=self._fingerprint
@@ -598,6 +615,14 @@ class _WorkerSide:
         self._generation += 1
         self._client = client
         log.info("kvpushd: engine %s registered with %s", self._engine_id, self._socket)
+        if lived:
+            # The same daemon lived: its word on what it holds of ours came
+            # again with the registration (live outcomes, releases); calls
+            # whose answer the lost connection took are asked again.
+            log.warning("kvpushd: the daemon at %s lived; its transfers go on", self._socket)
+            for spec in list(self._unsure.values()):
+                self._spawn(self._ask_again(spec, client))
+            self._unsure.clear()
 
     async def _supervise(self) -> None:
         """Notice the daemon going away at once (not at the next step) and reconnect.
@@ -606,6 +631,7 @@ class _WorkerSide:
         before any event of the next connection); a restarted daemon then
         gets the engine registered again and serves new transfers.
         """
+        lost: tuple[int, str] | None = None
         while not self._closing:
             client = self._client
             if client is not None:
@@ -614,15 +640,23 @@ class _WorkerSide:
                     return
                 log.warning("kvpushd: lost the daemon at %s: %s", self._socket, why)
                 self._client = None
-                # What a restarted daemon resends about them is not ours to wait for.
-                self._posted = set()
-                self._releasing = set()
-                self._events.put(DaemonLost(self._generation))
+                # Not an answer: the daemon may live and still write (a
+                # connection it closed, a reset). Its transfers end only once
+                # it is known gone: nobody listens, or another process answers.
+                lost = (self._generation, client.boot_id)
             delay = RECONNECT_FIRST_S
             while not self._closing:
                 try:
-                    await self._connect()
+                    await self._connect(lost)
+                    lost = None
                     break
+                except DaemonUnreachable as exc:
+                    if lost is not None:
+                        self._daemon_gone(lost[0])
+                        lost = None
+                    log.debug("kvpushd: reconnect to %s failed: %s", self._socket, exc)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, RECONNECT_MAX_S)
                 except (ClientError, OSError) as exc:
                     # A daemon that answers and refuses is worth an operator's look;
                     # one that is not back yet is not.
@@ -630,6 +664,54 @@ class _WorkerSide:
                     report("kvpushd: reconnect to %s failed: %s", self._socket, exc)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, RECONNECT_MAX_S)
+
+    def _daemon_gone(self, generation: int) -> None:
+        """The daemon of connection ``generation`` is gone: end its transfers (loop thread)."""
+        # What a restarted daemon resends about them is not ours to wait for.
+        self._posted = set()
+        self._releasing = set()
+        self._unsure.clear()
+        self._events.put(DaemonLost(generation))
+
+    async def _ask_again(self, spec: PushSpec | ReceiveSpec, client: EngineClient) -> None:
+        """A registration whose answer was lost with a connection to a daemon that lived.
+
+        Asked again: accepted (the first never arrived), a duplicate (it did:
+        its outcome comes as for any other), or stale (it did, and was
+        released meanwhile: nothing holds its blocks).
+        """
+        transfer_id = spec.transfer_id
+        try:
+            if isinstance(spec, PushSpec):
+                with contextlib.suppress(RpcError):
+                    await client.register_request(
+                        self._engine_id, transfer_id, Role.PUSHER, [list(spec.block_ids)],
+                        timeout=math.inf,
+                    )  # fmt: skip
+                await client.kv_ready(transfer_id, timeout=math.inf)
+            else:
+                await self._register_receiver(spec, self._generation)
+        except RpcError as exc:
+            if exc.code == Reason.STALE_INCARNATION:
+                self._gave_up(transfer_id, exc)
+            # Otherwise it is there (a duplicate, a kv_ready already said):
+            # its outcome comes from the daemon.
+        except (ClientError, RuntimeError) as exc:
+            self._unsure_of(spec, exc)
+
+    def _unsure_of(self, spec: PushSpec | ReceiveSpec, exc: BaseException) -> None:
+        """A call's answer was lost with its connection: wait for the daemon's word.
+
+        (Loop thread.) Asked again if the same daemon answers a reconnect; ended
+        if it is known gone.
+        """
+        log.warning(
+            "kvpushd: %s: no answer from the daemon (%s); its blocks stay held until it is "
+            "known gone or says what became of it",
+            spec.transfer_id,
+            exc,
+        )
+        self._unsure[spec.transfer_id] = spec
 
     def _on_daemon_event(self, event: rpc.Event, client: EngineClient) -> None:
         """An event from the daemon (on the connector's loop thread)."""
@@ -696,23 +778,32 @@ class _WorkerSide:
         try:
             client = self._need_client(generation)
             self._posted.add(push.transfer_id)
+            # No time limit: a slow daemon (a stalled fdatasync) may have
+            # taken the call, and only its answer, or its end, says so.
             await client.register_request(
-                self._engine_id, push.transfer_id, Role.PUSHER, [list(push.block_ids)]
-            )
-            await client.kv_ready(push.transfer_id)
-        except (ClientError, RuntimeError) as exc:
-            # Refused, or no daemon: nothing will read these blocks, so vLLM may
-            # have them back; the decode side fails its load on its own.
+                self._engine_id, push.transfer_id, Role.PUSHER, [list(push.block_ids)],
+                timeout=math.inf,
+            )  # fmt: skip
+            await client.kv_ready(push.transfer_id, timeout=math.inf)
+        except (RpcError, RuntimeError) as exc:
+            # Refused, or no daemon to ask: nothing will read these blocks, so
+            # vLLM may have them back; the decode side fails its load on its own.
             self._gave_up(push.transfer_id, exc)
+        except ClientError as exc:
+            # The connection ended mid-call: a write may already read the blocks.
+            self._unsure_of(push, exc)
 
     async def _receive(self, receive: ReceiveSpec, generation: int) -> None:
         try:
             self._posted.add(receive.transfer_id)
             await self._register_receiver(receive, generation)
-        except (ClientError, RuntimeError) as exc:
+        except (RpcError, RuntimeError) as exc:
             # Never registered: no write can target these blocks. The load
             # ends as a load error, so vLLM recomputes or fails the request.
             self._gave_up(receive.transfer_id, exc)
+        except ClientError as exc:
+            # The connection ended mid-call: a write may already target them.
+            self._unsure_of(receive, exc)
 
     async def _forgo(self, receive: ReceiveSpec, generation: int) -> None:
         """Register a receiver with no block for a request vLLM dropped before its load.
@@ -734,6 +825,7 @@ class _WorkerSide:
             peer=receive.peer,
             # The decode daemon dials the prefill's on demand if it has no link.
             peer_address=receive.peer_address,
+            timeout=math.inf,
         )
 
     def _gave_up(self, transfer_id: str, exc: BaseException) -> None:
@@ -768,9 +860,11 @@ class _WorkerSide:
         if transfer_id in self._sending:
             # A pusher's blocks are only read while it writes: once the write
             # is over (or never happens), vLLM may have them back.
-            if isinstance(event, rpc.BlocksFreeable | rpc.RequestFailed | GaveUp):
+            if isinstance(event, rpc.BlocksFreeable | rpc.RequestFailed | rpc.Released | GaveUp):
+                # Released: the daemon dropped it (a deadline, while we were
+                # away); a released pusher has no write left.
                 self._done_sending.add(self._sending.pop(transfer_id)[0])
-                if not isinstance(event, GaveUp):
+                if not isinstance(event, GaveUp | rpc.Released):
                     self._spawn(self._release(transfer_id))
             return
         if transfer_id not in self._receiving:

@@ -118,6 +118,7 @@ class EngineApi(Protocol):
 
     config: Config
     fatal: BaseException | None
+    boot_id: str
 
     async def rpc_register_engine(self, session: Session, req: rpc.RegisterEngine) -> rpc.Reply: ...
 
@@ -311,7 +312,17 @@ class EngineServer:
         )
 
     async def _reply(self, session: Session, request: Any, clog: Any) -> None:
-        session.send(await self._dispatch(session, request, clog))
+        reply = await self._dispatch(session, request, clog)
+        if isinstance(reply, rpc.RequestAccepted):
+            try:
+                failpoints.hit("engine.accepted")
+            except OSError:
+                # The registration holds; the engine never hears so: its
+                # connection ends here, as a reset one would, and the daemon
+                # lives on (the engine's requests stay its own).
+                session.close()
+                return
+        session.send(reply)
 
     async def _dispatch(self, session: Session, request: Any, clog: Any) -> rpc.Reply:
         handler = self._handlers[type(request)]
@@ -338,7 +349,9 @@ class EngineServer:
                 rpc.BAD_REQUEST,
                 f"protocol {req.protocol} not supported, this daemon speaks {rpc.PROTOCOL_VERSION}",
             )
-        return rpc.HelloOk(req.id, self.node.config.node, rpc.PROTOCOL_VERSION, VERSION)
+        return rpc.HelloOk(
+            req.id, self.node.config.node, rpc.PROTOCOL_VERSION, VERSION, self.node.boot_id
+        )
 
     async def _status(self, session: Session, req: rpc.Status) -> rpc.Reply:
         return rpc.StatusReply(req.id, self.node.status())

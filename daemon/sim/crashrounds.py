@@ -105,6 +105,8 @@ CRASH_POINTS: Final[dict[str, dict[str, int]]] = {
     "node.kv_arrived": {DECODE: 20},
     "peer.send": {PREFILL: 40, DECODE: 20},
     "engine.reply": {PREFILL: 50, DECODE: 40},
+    # Killed with a registration accepted (and journaled) but not yet answered.
+    "engine.accepted": {PREFILL: 20, DECODE: 20},
 }
 
 

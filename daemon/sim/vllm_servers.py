@@ -482,6 +482,7 @@ def kvpushd_pd(
     workdir: Path,
     *,
     prefill_env: dict[str, str] | None = None,
+    decode_env: dict[str, str] | None = None,
     eager: bool = True,
     prefill_model: Path | None = None,
     prefill_tp: int = 1,
@@ -494,7 +495,8 @@ def kvpushd_pd(
     The servers sit on the first and the last core this process may use;
     ``decode_config`` adds top-level fields to the decode's connector config
     (``kv_load_failure_policy``), ``prefill_env`` to the prefill daemon's
-    environment (``KVPUSHD_FAILPOINTS``); ``prefill_model`` serves other
+    environment (``KVPUSHD_FAILPOINTS``), ``decode_env`` to the decode
+    daemon's; ``prefill_model`` serves other
     weights on the prefill side (default: ``model`` on both);
     ``prefill_tp`` and ``decode_tp`` are the servers' tensor-parallel sizes
     (the shared-memory segments TP servers leave behind are removed after).
@@ -506,7 +508,7 @@ def kvpushd_pd(
 
     workdir.mkdir(parents=True, exist_ok=True)
     prefill = Daemon("prefill", workdir, free_port(), env=prefill_env or {}).start()
-    decode = Daemon("decode", workdir, free_port()).start()
+    decode = Daemon("decode", workdir, free_port(), env=decode_env or {}).start()
     cores = sorted(os.sched_getaffinity(0))
     shm_before = vllm_shm_segments()
     p = VllmServer(
