@@ -29,7 +29,7 @@ import pytest
 from daemon.journal.replay import replay
 from daemon.sim.launcher import Daemon, wait_idle
 from daemon.sim.vllm_servers import VllmServer, kvpushd_pd
-from schemas.events import Registered, Trimmed
+from schemas.events import Registered, Trimmed, WriteStarted
 
 TOKENS = 8
 EXTERNAL = "vllm:prompt_tokens_by_source_total"
@@ -261,3 +261,43 @@ def test_thirty_two_concurrent_requests_with_shared_prefixes_are_token_exact(pd:
     wrong = [i for i, (a, b) in enumerate(zip(got, singles, strict=True)) if a != b]
     assert wrong == []
     wait_idle(prefill, decode)
+
+
+def test_the_connectors_stats_reach_vllms_metrics(pd: PD) -> None:
+    """Transfers ended by outcome, bytes loaded, load time, and requests that loaded nothing."""
+    p, d, prefill, decode = pd
+    rng = random.Random(12)
+
+    def ended(server: VllmServer, outcome: str) -> float:
+        return server.metrics().total("vllm:kvpushd_transfers_ended_total", outcome=outcome)
+
+    def not_loaded(why: str) -> float:
+        return d.metrics().total("vllm:kvpushd_not_loaded_total", why=why)
+
+    pushed, loaded, by_prompt = ended(p, "pushed"), ended(d, "loaded"), not_loaded("prompt")
+    nbytes = d.metrics().total("vllm:kvpushd_loaded_bytes_total")
+    timed = d.metrics().total("vllm:kvpushd_load_seconds_count")
+    prompt = [rng.randrange(2, 512) for _ in range(100)]
+    single = p.complete(prompt, TOKENS).token_ids
+    sent = _prefill_params(p, prompt)
+    assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
+    other = [rng.randrange(2, 512) for _ in range(100)]
+    d.complete(other, TOKENS, kv_transfer_params=_prefill_params(p, prompt))  # another prompt
+    wait_idle(prefill, decode)
+    deadline = time.monotonic() + 15  # stats reach /metrics with the engine's next steps
+    while ended(p, "pushed") < pushed + 2 or not_loaded("prompt") < by_prompt + 1:
+        assert time.monotonic() < deadline, "the connector's stats did not reach /metrics"
+        time.sleep(0.2)
+    assert ended(d, "loaded") == loaded + 1
+    assert d.metrics().total("vllm:kvpushd_load_seconds_count") == timed + 1
+    # The bytes the decode daemon journaled for the write (the pusher's word).
+    (started,) = [
+        e for e in decode.journal_events(sent["kvpushd_transfer_id"]) if isinstance(e, WriteStarted)
+    ]
+    assert d.metrics().total("vllm:kvpushd_loaded_bytes_total") - nbytes == started.nbytes
+
+
+def _prefill_params(p: VllmServer, prompt: list[int]) -> dict:
+    return p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True}).raw[
+        "kv_transfer_params"
+    ]

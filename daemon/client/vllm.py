@@ -75,6 +75,7 @@ import math
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,8 +90,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
+from daemon.client import vllm_stats as vs
 from daemon.client.engine_client import EngineClient
 from daemon.client.errors import ClientError, DaemonUnreachable, RpcError
 from daemon.client.kvfile import create_kv_file, sweep_stale_kv_files
@@ -258,6 +261,33 @@ class KvpushdConnector(KVConnectorBase_V1):
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.pushing()
 
+    # ----------------------------------------------------------------- stats
+
+    def get_kv_connector_stats(self) -> vs.KvpushdStats | None:
+        side = self._scheduler or self._worker
+        assert side is not None
+        return side.stats.take()
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        # Another instance's accelerator or host memory, over the daemons' link.
+        return {CacheHitSource.P2P: num_external_tokens} if num_external_tokens else {}
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> vs.KvpushdStats:
+        return vs.KvpushdStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> vs.KvpushdPromMetrics:
+        return vs.KvpushdPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # ---------------------------------------------------------------- worker
 
     def get_mem_pool_context(self) -> contextlib.AbstractContextManager[Any] | None:
@@ -316,6 +346,7 @@ class _SchedulerSide:
         # Transfer id -> the one request that may load it (bounded): a second
         # request with the same params (a retry, a hedge) computes its prompt.
         self._claims: dict[str, str] = {}
+        self.stats = vs.KvpushdStats()
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
@@ -325,7 +356,9 @@ class _SchedulerSide:
         owner = self._claims.get(transfer_id)
         if owner is not None and owner != request.request_id:
             # The transfer is the other request's: nothing of it is this one's to end.
-            self._compute_here(request, params, f"transfer {transfer_id} is loaded by {owner}")
+            self._compute_here(
+                request, params, (vs.DUPLICATE, f"transfer {transfer_id} is loaded by {owner}")
+            )
             return 0, False
         why = self._why_not(request, params)
         if why is not None:
@@ -342,33 +375,38 @@ class _SchedulerSide:
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def _compute_here(self, request: Request, params: dict[str, Any], why: str) -> None:
-        log.warning("kvpushd: %s: %s: computing the prompt here", request.request_id, why)
+    def _compute_here(self, request: Request, params: dict[str, Any], why: tuple[str, str]) -> None:
+        kind, message = why
+        log.warning("kvpushd: %s: %s: computing the prompt here", request.request_id, message)
+        self.stats.not_loaded(kind)
         params["do_remote_prefill"] = False
 
-    def _why_not(self, request: Request, params: dict[str, Any]) -> str | None:
-        """Why the prefill's KV (as ``params`` describe it) is not this request's, or None."""
+    def _why_not(self, request: Request, params: dict[str, Any]) -> tuple[str, str] | None:
+        """Why the prefill's KV (as ``params`` describe it) is not this request's, or None.
+
+        (What kind of reason, for the stats; what happened, for the log.)
+        """
         try:
             sent = msgspec.convert(params.get("kvpushd_fingerprint"), Fingerprint)
         except msgspec.ValidationError as exc:
-            return f"the prefill's KV fingerprint is missing or unreadable ({exc})"
+            return vs.FINGERPRINT, f"the prefill's KV fingerprint is missing or unreadable ({exc})"
         difference = first_difference(sent, self._fingerprint)
         if difference is not None:
             field_name, theirs, ours = difference
-            return (
+            return vs.FINGERPRINT, (
                 f"the prefill's KV fingerprint differs in {field_name} (prefill {theirs!r}, "
                 f"this instance {ours!r})"
             )
         prompt = request.prompt_token_ids
         if prompt is None:
-            return "the request has no prompt token ids to compare with the prefill's"
+            return vs.PROMPT, "the request has no prompt token ids to compare with the prefill's"
         if params.get("kvpushd_prompt_len") != len(prompt):
-            return (
+            return vs.PROMPT, (
                 f"the prefill computed a prompt of {params.get('kvpushd_prompt_len')!r} tokens, "
                 f"this request's has {len(prompt)}"
             )
         if params.get("kvpushd_prompt_digest") != prompt_digest(prompt):
-            return "the prefill computed another prompt of the same length (digests differ)"
+            return vs.PROMPT, "the prefill computed another prompt of the same length"
         return None
 
     def _claim(self, transfer_id: str, request_id: str) -> None:
@@ -415,6 +453,7 @@ class _SchedulerSide:
         if request.status not in _COMPUTED or request.prompt_token_ids is None:
             # Aborted, or ended before its prompt was computed: nobody needs
             # its KV, and its blocks go back to vLLM now.
+            self.stats.not_loaded(vs.NOT_NEEDED)
             return False, None
         transfer_id = request.request_id
         self._pending.push.append(PushSpec(request.request_id, transfer_id, tuple(block_ids)))
@@ -550,6 +589,10 @@ class _WorkerSide:
         self._releasing: set[str] = set()
         # Transfers whose registration's answer a lost connection took (loop thread).
         self._unsure: dict[str, PushSpec | ReceiveSpec] = {}
+        self._block_nbytes = 0
+        self.stats = vs.KvpushdStats()
+        # When each load was posted (vLLM's thread), for its time in the stats.
+        self._load_started: dict[str, float] = {}
 
     # memory -------------------------------------------------------------
 
@@ -571,6 +614,8 @@ class _WorkerSide:
                 "get_mem_pool_context(); the daemon cannot map it"
             )
         self._layout = _layout(kv_caches, allocation.buffer, self._path)
+        (group,), _ = self._layout
+        self._block_nbytes = group.block_bytes * len(group.layers)
         # The file keeps its name while vLLM runs: a restarted daemon maps it
         # again when the connector registers anew.
         try:
@@ -752,6 +797,7 @@ class _WorkerSide:
                 self._load_errors.update(receive.block_ids)
                 self._done_receiving.add(receive.request_id)
                 continue
+            self._load_started[receive.transfer_id] = time.monotonic()
             self._receiving[receive.transfer_id] = (
                 receive.request_id,
                 receive.block_ids,
@@ -864,6 +910,7 @@ class _WorkerSide:
                 # Released: the daemon dropped it (a deadline, while we were
                 # away); a released pusher has no write left.
                 self._done_sending.add(self._sending.pop(transfer_id)[0])
+                self.stats.ended(_outcome(event, "pushed"))
                 if not isinstance(event, GaveUp | rpc.Released):
                     self._spawn(self._release(transfer_id))
             return
@@ -871,19 +918,25 @@ class _WorkerSide:
             return
         if isinstance(event, rpc.KvArrived):
             # Done is settled: the write is over, the blocks hold the KV.
-            request_id, _, _ = self._receiving.pop(transfer_id)
+            request_id, block_ids, _ = self._receiving.pop(transfer_id)
             self._done_receiving.add(request_id)
+            started = self._load_started.pop(transfer_id, time.monotonic())
+            self.stats.loaded(len(block_ids) * self._block_nbytes, time.monotonic() - started)
             self._spawn(self._release(transfer_id))
         elif isinstance(event, rpc.RequestFailed):
             # The data will not come, but a write may still be in flight
             # (quarantine): the blocks go back to vLLM only once the daemon
             # has released the request.
             log.warning("kvpushd: %s failed: %s %s", transfer_id, event.reason, event.message)
+            self.stats.ended(_outcome(event, "loaded"))
             self._spawn(self._release_then_free(transfer_id))
         elif isinstance(event, rpc.Released):
             self._events.put(Freed(transfer_id))  # a deferred release was carried out
         elif isinstance(event, GaveUp | Freed):
             request_id, block_ids, _ = self._receiving.pop(transfer_id)
+            self._load_started.pop(transfer_id, None)
+            if isinstance(event, GaveUp):  # a failure was counted when it came
+                self.stats.ended(_outcome(event, "loaded"))
             # Never silently wrong KV: vLLM fails or recomputes these blocks.
             self._load_errors.update(block_ids)
             self._done_receiving.add(request_id)
@@ -988,6 +1041,17 @@ class _WorkerSide:
         if self._allocation is not None and self._allocation.lock_fd is not None:
             os.close(self._allocation.lock_fd)
             self._allocation.lock_fd = None
+
+
+def _outcome(event: Any, ok: str) -> str:
+    """How a transfer ended, as the stats name it."""
+    if isinstance(event, rpc.RequestFailed):
+        return f"failed:{event.reason}"
+    if isinstance(event, GaveUp):
+        return f"gave_up:{event.reason}"
+    if isinstance(event, rpc.Released):
+        return "released"
+    return ok
 
 
 def _log_failure(future: Any) -> None:
