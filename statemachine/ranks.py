@@ -15,7 +15,8 @@ import re
 from typing import Final
 
 SEPARATOR: Final = "@tp"
-_SHARE = re.compile(r"^(?P<transfer>.+)@tp(?P<rank>0|[1-9][0-9]*)$")
+# What share_id makes: the transfer, the separator, a rank without leading zeros.
+_SHARE = re.compile(rf"^(?P<transfer>.+){re.escape(SEPARATOR)}(?:0|[1-9][0-9]*)$")
 
 
 def share_id(transfer_id: str, rank: int, tp_size: int) -> str:

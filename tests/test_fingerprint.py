@@ -17,7 +17,6 @@ import pytest
 
 from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
 from daemon.sim.kvpattern import changed_blocks, snapshot
-from daemon.sim.launcher import free_port
 from schemas import rpc
 from schemas.events import Failed, Refused, Trimmed, WriteStarted
 from schemas.fingerprint import Fingerprint
@@ -25,7 +24,7 @@ from schemas.layout import Role
 from schemas.reasons import Reason
 from statemachine import TrimRefused
 from statemachine.fingerprint import check_fingerprints, first_difference
-from tests.support.metrics import MetricsDaemon, delta
+from tests.support.metrics import MetricsDaemon, delta, metrics_pair
 
 TINY = Fingerprint(
     "/models/tiny",
@@ -94,17 +93,7 @@ def test_every_fingerprint_field_is_named_by_the_parametrized_test() -> None:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[MetricsDaemon, ...]]:
-    tmp = tmp_path_factory.mktemp("fingerprint")
-    p_port, d_port = free_port(), free_port()
-    prefill = MetricsDaemon("prefill", tmp, p_port, [("decode", d_port)], metrics_port=free_port())
-    decode = MetricsDaemon("decode", tmp, d_port, [("prefill", p_port)], metrics_port=free_port())
-    prefill.start()
-    decode.start()
-    decode.wait_peer("prefill")
-    prefill.wait_peer("decode")
-    yield prefill, decode
-    assert prefill.stop() == 0, prefill.logs()
-    assert decode.stop() == 0, decode.logs()
+    yield from metrics_pair(tmp_path_factory.mktemp("fingerprint"))
 
 
 async def _engines(

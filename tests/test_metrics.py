@@ -20,14 +20,13 @@ import pytest
 
 from daemon.node.metrics import NodeMetrics
 from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
-from daemon.sim.launcher import free_port
 from schemas import rpc
 from schemas.events import DaemonStarted, Failed, Released
 from schemas.layout import Role
 from schemas.reasons import FAILURE_REASONS, REFUSAL_REASONS, Reason
 from schemas.state import RequestRecord, State
 from tests.support import REPO
-from tests.support.metrics import MetricsDaemon, Samples, delta, value
+from tests.support.metrics import MetricsDaemon, Samples, delta, metrics_pair, value
 
 LAYOUT = [
     SimGroup(num_blocks=256, block_bytes=4096, layers=2),
@@ -37,17 +36,7 @@ LAYOUT = [
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[MetricsDaemon, ...]]:
-    tmp = tmp_path_factory.mktemp("metrics")
-    p_port, d_port = free_port(), free_port()
-    prefill = MetricsDaemon("prefill", tmp, p_port, [("decode", d_port)], metrics_port=free_port())
-    decode = MetricsDaemon("decode", tmp, d_port, [("prefill", p_port)], metrics_port=free_port())
-    prefill.start()
-    decode.start()
-    decode.wait_peer("prefill")
-    prefill.wait_peer("decode")
-    yield prefill, decode
-    assert prefill.stop() == 0, prefill.logs()
-    assert decode.stop() == 0, decode.logs()
+    yield from metrics_pair(tmp_path_factory.mktemp("metrics"))
 
 
 async def _engines(pair: tuple[MetricsDaemon, ...]) -> tuple[SimEngine, SimEngine]:

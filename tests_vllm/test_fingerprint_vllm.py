@@ -21,6 +21,7 @@ import pytest
 
 from daemon.sim.launcher import Daemon, wait_idle
 from daemon.sim.tinyllama import TinyLlama, write_tinyllama
+from daemon.sim.vllm_router import prefill_leg
 from daemon.sim.vllm_servers import EXTERNAL_TOKENS, VllmServer, kvpushd_pd
 from schemas.events import Failed, Refused, Trimmed, WriteStarted
 from schemas.reasons import Reason
@@ -46,9 +47,7 @@ def test_the_decode_side_computes_the_prompt_when_the_prefill_serves_other_weigh
         own = d.complete(prompt, TOKENS).token_ids
         # The oracle can tell: the two checkpoints answer differently.
         assert p.complete(prompt, TOKENS).token_ids != own, length
-        sent = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True}).raw[
-            "kv_transfer_params"
-        ]
+        sent = prefill_leg(p, prompt)
         assert sent["kvpushd_fingerprint"]["model"] == str(p.model)
         before = d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer")
         assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == own, length

@@ -12,20 +12,20 @@ can ever report external tokens that not every rank could fill.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
 from daemon.sim.launcher import Daemon, free_port
-from daemon.sim.vllm_servers import VllmServer, kvpushd_connector_config
+from daemon.sim.vllm_servers import (
+    VllmServer,
+    kvpushd_connector_config,
+    remove_vllm_shm_segments,
+    vllm_shm_segments,
+)
 
 REFUSAL = (
     "KvpushdConnector: pipeline_parallel_size = 2 (--pipeline-parallel-size 2) is not supported"
 )
-
-
-def _vllm_shm() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith("vllm_")}
 
 
 def test_a_pp2_instance_refuses_to_start_with_one_error_naming_the_setting(
@@ -47,7 +47,7 @@ def test_a_pp2_instance_refuses_to_start_with_one_error_naming_the_setting(
             kvpushd_connector_config("kv_both", daemon),
         ],
     )
-    shm_before = _vllm_shm()
+    shm_before = vllm_shm_segments()
     try:
         server.start()
         assert server.proc is not None
@@ -62,7 +62,5 @@ def test_a_pp2_instance_refuses_to_start_with_one_error_naming_the_setting(
     finally:
         server.stop()
         # A TP instance leaves its shared-memory all-reduce segments behind.
-        for name in _vllm_shm() - shm_before:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"/dev/shm/{name}")
+        remove_vllm_shm_segments(vllm_shm_segments() - shm_before)
         assert daemon.stop() == 0

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from daemon.sim.launcher import Daemon
+from daemon.sim.vllm_router import prefill_leg
 from daemon.sim.vllm_servers import VllmServer, VllmServerError, kvpushd_pd
 from schemas.reasons import Reason
 
@@ -55,9 +56,7 @@ def test_a_decode_aborted_while_the_write_is_in_flight_keeps_its_blocks_until_re
     rng = random.Random(8)
     for _ in range(3):  # the abort path once released twice (a stale refusal after Released)
         prompt = [rng.randrange(2, 512) for _ in range(128)]
-        sent = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True}).raw[
-            "kv_transfer_params"
-        ]
+        sent = prefill_leg(p, prompt)
         transfer = sent["kvpushd_transfer_id"]
         with pytest.raises(OSError):  # the client gives up (and disconnects) at 0.5 s
             d.complete(prompt, TOKENS, kv_transfer_params=sent, timeout_s=0.5)
@@ -96,9 +95,7 @@ def test_a_prefill_daemon_killed_mid_write_then_restarted_loses_no_token_and_no_
     rng = random.Random(11)
     prompt = [rng.randrange(2, 512) for _ in range(140)]
     single = p.complete(prompt, TOKENS).token_ids
-    sent = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True}).raw[
-        "kv_transfer_params"
-    ]
+    sent = prefill_leg(p, prompt)
     transfer = sent["kvpushd_transfer_id"]
     with ThreadPoolExecutor(1) as pool:
         decoding = pool.submit(d.complete, prompt, TOKENS, kv_transfer_params=sent)
@@ -153,9 +150,7 @@ def test_a_decode_request_dropped_before_it_got_blocks_ends_the_push_at_once(
     p, d, prefill, decode = recompute_pd
     rng = random.Random(14)
     prompt = [rng.randrange(2, 512) for _ in range(100)]
-    sent = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True}).raw[
-        "kv_transfer_params"
-    ]
+    sent = prefill_leg(p, prompt)
     transfer = sent["kvpushd_transfer_id"]
     fillers = [[rng.randrange(2, 512) for _ in range(8)] for _ in range(16)]
     with ThreadPoolExecutor(16) as pool:

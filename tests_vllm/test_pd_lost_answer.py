@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from daemon.sim.launcher import Daemon, wait_idle
+from daemon.sim.vllm_router import prefill_leg
 from daemon.sim.vllm_servers import EXTERNAL_TOKENS, VllmServer, kvpushd_pd
 from schemas.events import Refused, Registered, WriteDone
 from schemas.reasons import Reason
@@ -47,9 +48,7 @@ def test_a_registration_whose_answer_was_lost_still_loads_its_kv(lossy_pd: PD) -
     rng = random.Random(41)
     prompt = [rng.randrange(2, 512) for _ in range(128)]
     single = p.complete(prompt, TOKENS).token_ids
-    sent = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True}).raw[
-        "kv_transfer_params"
-    ]
+    sent = prefill_leg(p, prompt)
     before = d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer")
     assert d.complete(prompt, TOKENS, kv_transfer_params=sent, timeout_s=60).token_ids == single
     loaded = d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer") - before
@@ -67,8 +66,6 @@ def test_a_registration_whose_answer_was_lost_still_loads_its_kv(lossy_pd: PD) -
     for length in (40, 150):
         other = [rng.randrange(2, 512) for _ in range(length)]
         want = p.complete(other, TOKENS).token_ids
-        params = p.complete(other, 1, kv_transfer_params={"do_remote_decode": True}).raw[
-            "kv_transfer_params"
-        ]
+        params = prefill_leg(p, other)
         assert d.complete(other, TOKENS, kv_transfer_params=params).token_ids == want
     wait_idle(prefill, decode)

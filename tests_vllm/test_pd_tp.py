@@ -29,6 +29,7 @@ import pytest
 
 from daemon.cli import main
 from daemon.sim.launcher import Daemon, free_port, wait_idle
+from daemon.sim.vllm_router import prefill_leg
 from daemon.sim.vllm_servers import (
     EXTERNAL_TOKENS,
     VllmServer,
@@ -51,19 +52,13 @@ def tp2_pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield pd
 
 
-def _prefill(p: VllmServer, prompt: list[int]) -> dict:
-    return p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True}).raw[
-        "kv_transfer_params"
-    ]
-
-
 def test_tp2_to_tp2_is_token_exact_and_every_rank_pair_is_written(tp2_pd: PD, capsys) -> None:
     p, d, prefill, decode = tp2_pd
     rng = random.Random(21)
     for length in (40, 96, 200):
         prompt = [rng.randrange(2, 512) for _ in range(length)]
         single = p.complete(prompt, TOKENS).token_ids
-        sent = _prefill(p, prompt)
+        sent = prefill_leg(p, prompt)
         assert sent["kvpushd_fingerprint"]["tp_size"] == 2
         before = d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer")
         assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single, length
@@ -100,7 +95,7 @@ def test_tp2_decode_prefix_hit_moves_only_the_tail_blocks_on_every_rank(tp2_pd: 
     d.complete([*shared, *(rng.randrange(2, 512) for _ in range(10))], 1)  # caches 2 blocks
     prompt = [*shared, *(rng.randrange(2, 512) for _ in range(40))]  # 104 tokens: 4 blocks
     single = p.complete(prompt, TOKENS).token_ids
-    sent = _prefill(p, prompt)
+    sent = prefill_leg(p, prompt)
     assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
     wait_idle(prefill, decode)
     for rank in (0, 1):
@@ -154,7 +149,7 @@ def test_instances_of_different_tp_never_pair_and_the_decode_computes_the_prompt
     rng = random.Random(23 + prefill_tp)
     prompt = [rng.randrange(2, 512) for _ in range(96)]
     single = d.complete(prompt, TOKENS).token_ids
-    sent = _prefill(p, prompt)
+    sent = prefill_leg(p, prompt)
     before = d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer")
     assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
     assert d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer") == before

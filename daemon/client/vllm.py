@@ -62,7 +62,8 @@ thread, and events come back through a queue drained once per step.
   goes back while a write can still touch it. Calls that register or say
   kv_ready wait as long as the connection lives (no time limit).
 
-This is the only module of kvpushd that imports vLLM.
+This module and its stats (daemon/client/vllm_stats.py) are the only ones
+of kvpushd that import vLLM.
 """
 
 from __future__ import annotations
@@ -123,6 +124,10 @@ RECONNECT_FIRST_S = 0.2
 RECONNECT_MAX_S = 2.0
 # The daemon's reply to a registration waits for its fsync: bounded, not short.
 CALL_TIMEOUT_S = 30.0
+# Registrations and kv_ready wait as long as the connection lives: a slow
+# daemon (a stalled fdatasync) may have taken the call, and only its answer,
+# or its end, says so.
+_UNTIL_ANSWERED = math.inf
 # Finished request ids remembered until their send ends (pruned past this many).
 _MAX_SEEN = 65536
 # A prefill's TP size read from kv_transfer_params is believed up to this.
@@ -155,6 +160,16 @@ class ReceiveSpec:
     peer: str
     peer_address: str
     source_ranks: int = 1
+
+
+@dataclass(frozen=True)
+class _Loading:
+    """A decode request's load the worker waits for (vLLM's thread)."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    generation: int  # the daemon connection it was posted under
+    posted_at: float  # time.monotonic(), for its time in the stats
 
 
 @dataclass(frozen=True)
@@ -354,7 +369,11 @@ class _SchedulerSide:
             return 0, False
         transfer_id = str(params["kvpushd_transfer_id"])
         owner = self._claims.get(transfer_id)
-        if owner is not None and owner != request.request_id:
+        if owner == request.request_id:
+            # Checked when it claimed the transfer (vLLM asks again every step
+            # the request waits for blocks; the prompt's digest is not free).
+            return self._external_tokens(request, num_computed_tokens)
+        if owner is not None:
             # The transfer is the other request's: nothing of it is this one's to end.
             self._compute_here(
                 request, params, (vs.DUPLICATE, f"transfer {transfer_id} is loaded by {owner}")
@@ -371,7 +390,11 @@ class _SchedulerSide:
             if self._first_time(transfer_id):
                 self._pending.forgo.append(_receive_spec(request.request_id, params, ()))
             return 0, False
-        self._claim(transfer_id, request.request_id)
+        _remember(self._claims, transfer_id, request.request_id)
+        return self._external_tokens(request, num_computed_tokens)
+
+    @staticmethod
+    def _external_tokens(request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
@@ -408,11 +431,6 @@ class _SchedulerSide:
         if params.get("kvpushd_prompt_digest") != prompt_digest(prompt):
             return vs.PROMPT, "the prefill computed another prompt of the same length"
         return None
-
-    def _claim(self, transfer_id: str, request_id: str) -> None:
-        self._claims[transfer_id] = request_id
-        if len(self._claims) > _MAX_SEEN:
-            del self._claims[next(iter(self._claims))]
 
     def after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -474,9 +492,7 @@ class _SchedulerSide:
         """Note a receiving transfer; False if it was noted before."""
         if transfer_id in self._received:
             return False
-        self._received[transfer_id] = None
-        if len(self._received) > _MAX_SEEN:
-            del self._received[next(iter(self._received))]
+        _remember(self._received, transfer_id, None)
         return True
 
     def take_metadata(self) -> KvpushdConnectorMetadata:
@@ -489,6 +505,13 @@ class _SchedulerSide:
 
     def pushing(self) -> bool:
         return bool(self._pushing)
+
+
+def _remember(memory: dict[str, Any], key: str, value: Any) -> None:
+    """Note ``key`` in a memory bounded to _MAX_SEEN entries (the oldest go first)."""
+    memory[key] = value
+    if len(memory) > _MAX_SEEN:
+        del memory[next(iter(memory))]
 
 
 def _receive_spec(request_id: str, params: dict[str, Any], block_ids: Any) -> ReceiveSpec:
@@ -559,7 +582,8 @@ class _WorkerSide:
         self._rank = rank
         self._tp_size = tp_size
         sweep_stale_kv_files(Path(SHM_DIR), SHM_PREFIX)
-        # The pid in the name lets a later vLLM remove the file if this one dies.
+        # The pid in the name tells an operator whose file it is (the sweep
+        # goes by the owner's lock, daemon/client/kvfile.py).
         self._path = Path(SHM_DIR) / f"{SHM_PREFIX}{os.getpid()}-{engine_id}"
         self._allocation: _SharedAllocation | None = None
         self._layout: tuple[tuple[GroupSpec, ...], RegionSpec] | None = None
@@ -576,9 +600,9 @@ class _WorkerSide:
         self._events: queue.SimpleQueue[rpc.Event | GaveUp | Freed | DaemonLost] = (
             queue.SimpleQueue()
         )
-        # transfer id -> (vLLM request id, generation), and the receivers' blocks.
+        # transfer id -> (vLLM request id, generation), and the loads.
         self._sending: dict[str, tuple[str, int]] = {}
-        self._receiving: dict[str, tuple[str, tuple[int, ...], int]] = {}
+        self._receiving: dict[str, _Loading] = {}
         self._done_sending: set[str] = set()
         self._done_receiving: set[str] = set()
         self._finished_seen: set[str] = set()
@@ -591,8 +615,6 @@ class _WorkerSide:
         self._unsure: dict[str, PushSpec | ReceiveSpec] = {}
         self._block_nbytes = 0
         self.stats = vs.KvpushdStats()
-        # When each load was posted (vLLM's thread), for its time in the stats.
-        self._load_started: dict[str, float] = {}
 
     # memory -------------------------------------------------------------
 
@@ -728,12 +750,9 @@ class _WorkerSide:
         transfer_id = spec.transfer_id
         try:
             if isinstance(spec, PushSpec):
-                with contextlib.suppress(RpcError):
-                    await client.register_request(
-                        self._engine_id, transfer_id, Role.PUSHER, [list(spec.block_ids)],
-                        timeout=math.inf,
-                    )  # fmt: skip
-                await client.kv_ready(transfer_id, timeout=math.inf)
+                with contextlib.suppress(RpcError):  # a duplicate: it is there
+                    await self._register_pusher(spec, client)
+                await client.kv_ready(transfer_id, timeout=_UNTIL_ANSWERED)
             else:
                 await self._register_receiver(spec, self._generation)
         except RpcError as exc:
@@ -797,11 +816,8 @@ class _WorkerSide:
                 self._load_errors.update(receive.block_ids)
                 self._done_receiving.add(receive.request_id)
                 continue
-            self._load_started[receive.transfer_id] = time.monotonic()
-            self._receiving[receive.transfer_id] = (
-                receive.request_id,
-                receive.block_ids,
-                generation,
+            self._receiving[receive.transfer_id] = _Loading(
+                receive.request_id, receive.block_ids, generation, time.monotonic()
             )
             self._spawn(self._receive(receive, generation))
         if metadata.abort:
@@ -824,13 +840,8 @@ class _WorkerSide:
         try:
             client = self._need_client(generation)
             self._posted.add(push.transfer_id)
-            # No time limit: a slow daemon (a stalled fdatasync) may have
-            # taken the call, and only its answer, or its end, says so.
-            await client.register_request(
-                self._engine_id, push.transfer_id, Role.PUSHER, [list(push.block_ids)],
-                timeout=math.inf,
-            )  # fmt: skip
-            await client.kv_ready(push.transfer_id, timeout=math.inf)
+            await self._register_pusher(push, client)
+            await client.kv_ready(push.transfer_id, timeout=_UNTIL_ANSWERED)
         except (RpcError, RuntimeError) as exc:
             # Refused, or no daemon to ask: nothing will read these blocks, so
             # vLLM may have them back; the decode side fails its load on its own.
@@ -862,6 +873,15 @@ class _WorkerSide:
         with contextlib.suppress(ClientError, RuntimeError):  # the deadline ends it instead
             await self._register_receiver(receive, generation)
 
+    async def _register_pusher(self, push: PushSpec, client: EngineClient) -> None:
+        await client.register_request(
+            self._engine_id,
+            push.transfer_id,
+            Role.PUSHER,
+            [list(push.block_ids)],
+            timeout=_UNTIL_ANSWERED,
+        )
+
     async def _register_receiver(self, receive: ReceiveSpec, generation: int) -> None:
         await self._need_client(generation).register_request(
             self._engine_id,
@@ -871,7 +891,7 @@ class _WorkerSide:
             peer=receive.peer,
             # The decode daemon dials the prefill's on demand if it has no link.
             peer_address=receive.peer_address,
-            timeout=math.inf,
+            timeout=_UNTIL_ANSWERED,
         )
 
     def _gave_up(self, transfer_id: str, exc: BaseException) -> None:
@@ -918,10 +938,11 @@ class _WorkerSide:
             return
         if isinstance(event, rpc.KvArrived):
             # Done is settled: the write is over, the blocks hold the KV.
-            request_id, block_ids, _ = self._receiving.pop(transfer_id)
-            self._done_receiving.add(request_id)
-            started = self._load_started.pop(transfer_id, time.monotonic())
-            self.stats.loaded(len(block_ids) * self._block_nbytes, time.monotonic() - started)
+            load = self._receiving.pop(transfer_id)
+            self._done_receiving.add(load.request_id)
+            self.stats.loaded(
+                len(load.block_ids) * self._block_nbytes, time.monotonic() - load.posted_at
+            )
             self._spawn(self._release(transfer_id))
         elif isinstance(event, rpc.RequestFailed):
             # The data will not come, but a write may still be in flight
@@ -933,13 +954,12 @@ class _WorkerSide:
         elif isinstance(event, rpc.Released):
             self._events.put(Freed(transfer_id))  # a deferred release was carried out
         elif isinstance(event, GaveUp | Freed):
-            request_id, block_ids, _ = self._receiving.pop(transfer_id)
-            self._load_started.pop(transfer_id, None)
+            load = self._receiving.pop(transfer_id)
             if isinstance(event, GaveUp):  # a failure was counted when it came
                 self.stats.ended(_outcome(event, "loaded"))
             # Never silently wrong KV: vLLM fails or recomputes these blocks.
-            self._load_errors.update(block_ids)
-            self._done_receiving.add(request_id)
+            self._load_errors.update(load.block_ids)
+            self._done_receiving.add(load.request_id)
 
     async def _release_then_free(self, transfer_id: str) -> None:
         if not self._first_release(transfer_id):
@@ -973,8 +993,8 @@ class _WorkerSide:
     def abort(self, request_ids: list[str]) -> None:
         """vLLM finished these decode requests while their KV was still loading."""
         for request_id in request_ids:
-            for transfer_id, (owner, _, _) in self._receiving.items():
-                if owner == request_id:
+            for transfer_id, load in self._receiving.items():
+                if load.request_id == request_id:
                     self._spawn(self._abort(transfer_id))
                     break
 
@@ -994,7 +1014,7 @@ class _WorkerSide:
         Transfers posted under a newer connection are not touched.
         """
         lost = [t for t, (_, g) in self._sending.items() if g <= generation]
-        lost += [t for t, (_, _, g) in self._receiving.items() if g <= generation]
+        lost += [t for t, load in self._receiving.items() if load.generation <= generation]
         for transfer_id in lost:
             self._on_event(GaveUp(transfer_id, "daemon_unavailable", "connection lost"))
 

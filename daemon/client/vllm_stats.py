@@ -23,7 +23,6 @@ API process.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,9 +152,9 @@ class KvpushdPromMetrics(KVConnectorPromMetrics):
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
-        for outcome, count in Counter(transfer_stats_data.get(ENDED, {})).items():
+        for outcome, count in transfer_stats_data.get(ENDED, {}).items():
             self._ended.labels(*labels, outcome).inc(count)
-        for why, count in Counter(transfer_stats_data.get(NOT_LOADED, {})).items():
+        for why, count in transfer_stats_data.get(NOT_LOADED, {}).items():
             self._not_loaded.labels(*labels, why).inc(count)
         if transfer_stats_data.get(LOADED_BYTES):
             self._bytes[engine_idx].inc(transfer_stats_data[LOADED_BYTES])

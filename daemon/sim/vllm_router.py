@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from daemon.sim.vllm_servers import VllmServer, VllmServerError
+from daemon.sim.vllm_servers import Completion, VllmServer, VllmServerError
 
 
 @dataclass(frozen=True)
@@ -45,22 +45,40 @@ def route(
     """One request through the pair; the decode side's tokens and the TTFT."""
     request_id = f"pd-{uuid.uuid4().hex}"
     started = time.monotonic()
-    first = prefill.complete(
-        prompt,
-        1,
-        request_id=request_id,
-        kv_transfer_params={"do_remote_decode": True},
-        timeout_s=timeout_s,
-    )
-    params = first.raw.get("kv_transfer_params")
-    if not params:
-        raise VllmServerError(f"{prefill.name} returned no kv_transfer_params")
+    first = _prefill(prefill, prompt, request_id, timeout_s)
+    params = _params_of(prefill, first)
     second = decode.stream(
         prompt, max_tokens, request_id=request_id, kv_transfer_params=params, timeout_s=timeout_s
     )
     return Routed(
         second.token_ids, first.elapsed_s + second.first_token_s, time.monotonic() - started, params
     )
+
+
+def prefill_leg(
+    prefill: VllmServer, prompt: Sequence[int], *, timeout_s: float = 120.0
+) -> dict[str, Any]:
+    """Step 1 alone: the ``kv_transfer_params`` the prefill server answers with."""
+    return _params_of(prefill, _prefill(prefill, prompt, None, timeout_s))
+
+
+def _prefill(
+    prefill: VllmServer, prompt: Sequence[int], request_id: str | None, timeout_s: float
+) -> Completion:
+    return prefill.complete(
+        prompt,
+        1,
+        request_id=request_id,
+        kv_transfer_params={"do_remote_decode": True},
+        timeout_s=timeout_s,
+    )
+
+
+def _params_of(prefill: VllmServer, answer: Completion) -> dict[str, Any]:
+    params = answer.raw.get("kv_transfer_params")
+    if not params:
+        raise VllmServerError(f"{prefill.name} returned no kv_transfer_params")
+    return dict(params)
 
 
 def single(server: VllmServer, prompt: Sequence[int], max_tokens: int) -> Routed:
