@@ -28,6 +28,7 @@ import pytest
 
 from daemon.journal.replay import replay
 from daemon.sim.launcher import Daemon, wait_idle
+from daemon.sim.vllm_router import prefill_leg
 from daemon.sim.vllm_servers import VllmServer, kvpushd_pd
 from schemas.events import Registered, Trimmed, WriteStarted
 
@@ -110,9 +111,7 @@ def test_kv_of_another_prompt_is_never_loaded_the_decode_computes_its_own(
     b = [rng.randrange(2, 512) for _ in range(b_length)]
     single_a, single_b = p.complete(a, TOKENS).token_ids, p.complete(b, TOKENS).token_ids
     assert single_a != single_b  # the oracle tells the two prompts apart
-    sent_a = p.complete(a, 1, kv_transfer_params={"do_remote_decode": True}).raw[
-        "kv_transfer_params"
-    ]
+    sent_a = prefill_leg(p, a)
     assert sent_a["kvpushd_prompt_len"] == 96 and len(sent_a["kvpushd_prompt_digest"]) == 32
     before = d.metrics().total(EXTERNAL, source="external_kv_transfer")
     assert d.complete(b, TOKENS, kv_transfer_params=sent_a).token_ids == single_b
@@ -136,9 +135,7 @@ def test_the_same_transfer_sent_twice_loads_once_and_never_hangs(pd: PD) -> None
     rng = random.Random(9)
     prompt = [rng.randrange(2, 512) for _ in range(128)]
     single = p.complete(prompt, TOKENS).token_ids
-    sent = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True}).raw[
-        "kv_transfer_params"
-    ]
+    sent = prefill_leg(p, prompt)
     before = d.metrics().total(EXTERNAL, source="external_kv_transfer")
     with ThreadPoolExecutor(max_workers=2) as pool:
         twice = list(
@@ -279,10 +276,10 @@ def test_the_connectors_stats_reach_vllms_metrics(pd: PD) -> None:
     timed = d.metrics().total("vllm:kvpushd_load_seconds_count")
     prompt = [rng.randrange(2, 512) for _ in range(100)]
     single = p.complete(prompt, TOKENS).token_ids
-    sent = _prefill_params(p, prompt)
+    sent = prefill_leg(p, prompt)
     assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
     other = [rng.randrange(2, 512) for _ in range(100)]
-    d.complete(other, TOKENS, kv_transfer_params=_prefill_params(p, prompt))  # another prompt
+    d.complete(other, TOKENS, kv_transfer_params=prefill_leg(p, prompt))  # another prompt
     wait_idle(prefill, decode)
     deadline = time.monotonic() + 15  # stats reach /metrics with the engine's next steps
     while ended(p, "pushed") < pushed + 2 or not_loaded("prompt") < by_prompt + 1:
@@ -290,14 +287,12 @@ def test_the_connectors_stats_reach_vllms_metrics(pd: PD) -> None:
         time.sleep(0.2)
     assert ended(d, "loaded") == loaded + 1
     assert d.metrics().total("vllm:kvpushd_load_seconds_count") == timed + 1
-    # The bytes the decode daemon journaled for the write (the pusher's word).
+    # The bytes the prefill daemon journaled for the write. (Not the decode's
+    # record: a receiver that hears the data land before the pusher's
+    # Writing goes straight to done, with no WriteStarted of its own.)
     (started,) = [
-        e for e in decode.journal_events(sent["kvpushd_transfer_id"]) if isinstance(e, WriteStarted)
+        e
+        for e in prefill.journal_events(sent["kvpushd_transfer_id"])
+        if isinstance(e, WriteStarted)
     ]
     assert d.metrics().total("vllm:kvpushd_loaded_bytes_total") - nbytes == started.nbytes
-
-
-def _prefill_params(p: VllmServer, prompt: list[int]) -> dict:
-    return p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True}).raw[
-        "kv_transfer_params"
-    ]
