@@ -1,9 +1,18 @@
 """How an engine's KV memory is laid out: regions, layers, groups.
 
 Block ``b`` of layer ``l`` of group ``g`` lives at
-``region(layers[l].region).base + layers[l].offset + b * block_bytes`` and is
-``block_bytes`` long: blocks of one layer are contiguous, so runs of
-consecutive block ids merge into one NIXL descriptor.
+``region(layers[l].region).base + layers[l].offset + b * stride`` and is
+``block_bytes`` long, where ``stride`` is ``block_stride`` or, when that is 0,
+``block_bytes``: blocks of one layer are contiguous, so runs of consecutive
+block ids merge into one NIXL descriptor.
+
+A stride above ``block_bytes`` describes a *head slice*: the same memory as
+another engine's blocks, seen as only some KV heads of each block. vLLM's
+CPU cache is head-major inside a block (``[heads, block_size, 2 * head_size]``),
+so a range of heads is one contiguous run of every block; a decode rank that
+holds the heads of two prefill ranks registers one slice engine per prefill
+rank, and each prefill rank's whole blocks pair with its slice's
+(statemachine/ranks.py).
 """
 
 from __future__ import annotations
@@ -47,6 +56,11 @@ class GroupSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_bytes: int
     layers: tuple[LayerSpec, ...]
     per_logical: int = 1
+    block_stride: int = 0  # bytes from one block to the next; 0: block_bytes
+
+    @property
+    def stride(self) -> int:
+        return self.block_stride or self.block_bytes
 
 
 class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -75,6 +89,11 @@ class RemoteGroup(msgspec.Struct, frozen=True):
     block_bytes: int
     layer_addrs: tuple[int, ...]
     per_logical: int = 1
+    block_stride: int = 0  # as GroupSpec.block_stride
+
+    @property
+    def stride(self) -> int:
+        return self.block_stride or self.block_bytes
 
 
 class RemoteEngine(msgspec.Struct, frozen=True):

@@ -12,7 +12,7 @@ one rank the share is ``T`` itself.
 from __future__ import annotations
 
 import re
-from typing import Final
+from typing import Final, NamedTuple
 
 SEPARATOR: Final = "@tp"
 # What share_id makes: the transfer, the separator, a rank without leading zeros.
@@ -28,3 +28,96 @@ def transfer_of(request_id: str) -> str:
     """The transfer a daemon request is a share of (the id itself if it is no share)."""
     match = _SHARE.match(request_id)
     return match.group("transfer") if match else request_id
+
+
+# ----------------------------------------------------------------- head slices
+#
+# vLLM gives TP rank r of ``tp`` ranks the KV heads [r*H/tp, (r+1)*H/tp) of a
+# model with H KV heads; with more ranks than heads each head is replicated on
+# tp/H consecutive ranks. When the prefill has k times the decode's ranks, a
+# decode rank holds the heads of k prefill ranks: it takes each head range
+# from exactly one prefill rank, into the slice of its blocks that holds those
+# heads (a slice engine, schemas/kvlayout.py), so every destination byte has
+# one writer. Prefill ranks no decode rank reads from (replicas) push nothing.
+
+
+class UnmappableRanks(ValueError):
+    """The two sides' TP sizes cannot be paired head for head; the message says why."""
+
+
+class HeadSource(NamedTuple):
+    """A prefill rank a decode rank loads from, into head slice ``slice_index`` of ``slices``."""
+
+    prefill_rank: int
+    slice_index: int
+    slices: int
+
+
+def heads_of(rank: int, tp_size: int, num_kv_heads: int) -> tuple[int, int]:
+    """The KV heads [first, end) TP rank ``rank`` of ``tp_size`` holds."""
+    if not 0 <= rank < tp_size or num_kv_heads < 1:
+        raise UnmappableRanks(f"rank {rank} of {tp_size} with {num_kv_heads} KV heads")
+    if tp_size >= num_kv_heads:
+        if tp_size % num_kv_heads:
+            raise UnmappableRanks(f"TP {tp_size} is not a multiple of {num_kv_heads} KV heads")
+        first = rank // (tp_size // num_kv_heads)
+        return first, first + 1
+    if num_kv_heads % tp_size:
+        raise UnmappableRanks(f"{num_kv_heads} KV heads do not split over TP {tp_size}")
+    per = num_kv_heads // tp_size
+    return rank * per, (rank + 1) * per
+
+
+def head_sources(
+    decode_rank: int, decode_tp: int, prefill_tp: int, num_kv_heads: int
+) -> tuple[HeadSource, ...]:
+    """The prefill ranks decode rank ``decode_rank`` loads from, one per head range.
+
+    Served: a prefill with as many ranks as the decode or a multiple of them.
+    A decode with more ranks than the prefill would need one prefill rank to
+    write into several decode ranks, which the prefill cannot know when it
+    registers its push (it has not seen the decode): refused.
+    """
+    if prefill_tp < decode_tp or prefill_tp % decode_tp:
+        raise UnmappableRanks(
+            f"a prefill with TP {prefill_tp} cannot feed a decode with TP {decode_tp}: "
+            f"the prefill's TP must equal the decode's or be a multiple of it"
+        )
+    first, end = heads_of(decode_rank, decode_tp, num_kv_heads)
+    # Which replica of its heads this decode rank is; it reads from the same
+    # replica on the prefill side, so two decode replicas never share a writer.
+    replica = decode_rank - heads_rank_first(first, decode_tp, num_kv_heads)
+    sources: list[HeadSource] = []
+    held = end - first
+    for rank in range(prefill_tp):
+        lo, hi = heads_of(rank, prefill_tp, num_kv_heads)
+        if not (first <= lo and hi <= end):
+            continue
+        if rank - heads_rank_first(lo, prefill_tp, num_kv_heads) != replica % _replicas(
+            prefill_tp, num_kv_heads
+        ):
+            continue
+        width = hi - lo
+        sources.append(HeadSource(rank, (lo - first) // width, held // width))
+    return tuple(sources)
+
+
+def unread_prefill_ranks(decode_tp: int, prefill_tp: int, num_kv_heads: int) -> tuple[int, ...]:
+    """Prefill ranks no decode rank reads from (replicated heads): their pushes are forgone."""
+    read = {
+        source.prefill_rank
+        for rank in range(decode_tp)
+        for source in head_sources(rank, decode_tp, prefill_tp, num_kv_heads)
+    }
+    return tuple(rank for rank in range(prefill_tp) if rank not in read)
+
+
+def _replicas(tp_size: int, num_kv_heads: int) -> int:
+    return max(1, tp_size // num_kv_heads)
+
+
+def heads_rank_first(head: int, tp_size: int, num_kv_heads: int) -> int:
+    """The lowest TP rank holding KV head ``head``."""
+    if tp_size >= num_kv_heads:
+        return head * (tp_size // num_kv_heads)
+    return head // (num_kv_heads // tp_size)

@@ -417,6 +417,21 @@ async def test_add_local_engine_validates_layout(
                     eng.spec.groups[1],
                 ),
             ),
+            # Head slices: blocks that overlap, and a stride that runs past the region.
+            msgspec.structs.replace(
+                eng.spec,
+                groups=(
+                    msgspec.structs.replace(group, block_stride=group.block_bytes - 1),
+                    eng.spec.groups[1],
+                ),
+            ),
+            msgspec.structs.replace(
+                eng.spec,
+                groups=(
+                    msgspec.structs.replace(group, block_stride=region.size),
+                    eng.spec.groups[1],
+                ),
+            ),
         ]
         for spec in bad_specs:
             with pytest.raises(DataPlaneError) as info:

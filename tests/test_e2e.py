@@ -30,6 +30,7 @@ from schemas import rpc
 from schemas.events import Failed, Refused, WriteStarted
 from schemas.kvlayout import GroupSpec, LayerSpec
 from schemas.layout import GroupKind, Role
+from statemachine.ranks import head_sources, share_id
 
 LAYOUT = [
     SimGroup(num_blocks=640, block_bytes=4096, layers=2),
@@ -471,3 +472,73 @@ async def test_a_release_made_while_the_engine_was_away_is_told_when_it_is_back(
             await engine.close()
         prefill.stop()
         decode.stop()
+
+
+async def _next(client: EngineClient, request_id: str) -> rpc.Event:
+    while True:
+        event = await client.next_event(timeout=20)
+        if getattr(event, "request_id", None) == request_id:
+            return event
+
+
+async def test_two_prefill_ranks_fill_the_two_head_slices_of_one_decode_rank(pair):
+    """P TP 2 -> D TP 1 at the daemon level, through real daemons and NIXL writes.
+
+    Each prefill rank's block holds one KV head (half a decode block); the
+    decode rank registers two head-slice engines over its one buffer
+    (block_stride = its block size, offsets 0 and half a block), and each
+    prefill rank's push pairs with its slice (statemachine/ranks.head_sources).
+    The decode buffer must end as the two heads side by side in every written
+    block, and the bytes outside the written blocks untouched.
+    """
+    prefill, decode = pair
+    tag, nblocks, half = _uid(), 16, 2048
+    paths: list[str] = []
+
+    def shm(name: str, size: int):
+        spec = create_shm_file(f"/dev/shm/kvpushd-test-{name}-{tag}", size)
+        paths.append(spec.path)
+        return spec, np.memmap(spec.path, dtype=np.uint8, mode="r+")
+
+    d_region, d_bytes = shm("dec", nblocks * 2 * half)
+    d_bytes[:] = 0x5A
+    clients: list[EngineClient] = []
+    try:
+        dec = await EngineClient.connect(decode.socket)
+        clients.append(dec)
+        for source in head_sources(0, 1, 2, 2):
+            offset = source.slice_index * half
+            slice_group = GroupSpec(
+                GroupKind.ATTENTION, nblocks, half, (LayerSpec(d_region.name, offset),),
+                block_stride=2 * half,
+            )  # fmt: skip
+            await dec.register_engine(f"d-{tag}-h{source.slice_index}", (slice_group,), (d_region,))
+        src, dst = [3, 4, 5], [9, 2, 12]
+        for rank in range(2):
+            p_region, p_bytes = shm(f"p{rank}", nblocks * half)
+            p_bytes[:] = np.arange(nblocks * half, dtype=np.uint32).astype(np.uint8) ^ (rank + 1)
+            pre = await EngineClient.connect(prefill.socket)
+            clients.append(pre)
+            group = GroupSpec(GroupKind.ATTENTION, nblocks, half, (LayerSpec(p_region.name),))
+            await pre.register_engine(f"p-{tag}-tp{rank}", (group,), (p_region,))
+            share = share_id(f"x-{tag}", rank, 2)
+            await pre.register_request(f"p-{tag}-tp{rank}", share, Role.PUSHER, [src])
+            await dec.register_request(
+                f"d-{tag}-h{rank}", share, Role.RECEIVER, [dst], peer="prefill"
+            )
+            await pre.kv_ready(share)
+            assert isinstance(await _next(pre, share), rpc.BlocksFreeable)
+        arrived = {(await dec.next_event(timeout=20)) for _ in range(2)}
+        assert {type(e) for e in arrived} == {rpc.KvArrived}
+        blocks = np.asarray(d_bytes).reshape(nblocks, 2, half)
+        for rank in range(2):
+            sent = np.memmap(paths[1 + rank], dtype=np.uint8, mode="r").reshape(nblocks, half)
+            for s, d in zip(src, dst, strict=True):
+                assert (blocks[d, rank] == sent[s]).all(), (rank, s, d)
+        untouched = [b for b in range(nblocks) if b not in dst]
+        assert (blocks[untouched] == 0x5A).all()
+    finally:
+        for client in clients:
+            await client.close()
+        for path in paths:
+            os.unlink(path)

@@ -46,7 +46,7 @@ def algorithm_for(spec: EngineSpec, regions: Mapping[str, object]) -> str:
     if all(_open(regions, r.name, MappedRegion) for r in spec.regions):
         return ALGORITHM
     if all(_open(regions, r.name, VramRegion) for r in spec.regions) and all(
-        vram.wsum_supported(g.block_bytes) for g in spec.groups
+        vram.wsum_supported(g.block_bytes) and not g.block_stride for g in spec.groups
     ):
         return DEVICE_ALGORITHM
     return UNCHECKED
@@ -60,7 +60,11 @@ def can_compute(spec: EngineSpec, regions: Mapping[str, object], algorithm: str)
         return all(
             _open(regions, r.name, MappedRegion) or _open(regions, r.name, VramRegion)
             for r in spec.regions
-        ) and all(vram.wsum_supported(g.block_bytes) for g in spec.groups)
+        ) and all(
+            # The GPU sums read whole, back-to-back blocks: no head slices.
+            vram.wsum_supported(g.block_bytes) and not g.block_stride
+            for g in spec.groups
+        )
     return False
 
 
@@ -87,7 +91,8 @@ def _layer_view(spec: EngineSpec, regions: Mapping[str, object], g: int, l: int)
             "DRAM region",
             code="bad_layout",
         )
-    return region.view()[layer.offset : layer.offset + group.num_blocks * group.block_bytes]
+    span = (group.num_blocks - 1) * group.stride + group.block_bytes
+    return region.view()[layer.offset : layer.offset + span]
 
 
 def digests(
@@ -108,11 +113,11 @@ def digests(
     for g, (ids, group) in enumerate(zip(blocks, spec.groups, strict=True)):
         if not ids:
             continue
-        size = group.block_bytes
+        size, stride = group.block_bytes, group.stride
         for l, layer in enumerate(group.layers):  # noqa: E741 - l is the layer index
             if algorithm == ALGORITHM:
                 view = _layer_view(spec, regions, g, l)
-                out.extend(crc32c.crc32c(view[b * size : (b + 1) * size].data) for b in ids)
+                out.extend(crc32c.crc32c(view[b * stride : b * stride + size].data) for b in ids)
             else:
                 region = regions[layer.region]
                 out.extend(
@@ -125,5 +130,5 @@ def flip_byte(spec: EngineSpec, regions: Mapping[str, object], group: int, block
     """Invert byte 0 of ``block`` of layer 0 of ``group`` (the ``integrity.flip_dst``
     failpoint: a receiver's memory changed between the landing and the check)."""
     view = _layer_view(spec, regions, group, 0)
-    at = block * spec.groups[group].block_bytes
+    at = block * spec.groups[group].stride
     view[at] ^= 0xFF

@@ -84,7 +84,7 @@ def descriptor_rows(engine: RemoteEngine) -> np.ndarray:
     """
     parts: list[np.ndarray] = []
     for g in engine.groups:
-        offsets = np.arange(g.num_blocks, dtype=np.uint64) * np.uint64(g.block_bytes)
+        offsets = np.arange(g.num_blocks, dtype=np.uint64) * np.uint64(g.stride)
         for addr in g.layer_addrs:
             rows = np.empty((g.num_blocks, 3), dtype=np.uint64)
             rows[:, 0] = np.uint64(addr) + offsets
@@ -211,8 +211,15 @@ def _local_group(
             f"group {g}: needs block_bytes > 0, num_blocks > 0 and at least one layer",
             code="bad_layout",
         )
+    if group.block_stride and group.block_stride < group.block_bytes:
+        # Blocks that overlap: one block's write would land in the next.
+        raise DataPlaneError(
+            f"group {g}: block_stride {group.block_stride} is less than block_bytes"
+            f" {group.block_bytes}",
+            code="bad_layout",
+        )
     addrs = []
-    span = group.num_blocks * group.block_bytes
+    span = (group.num_blocks - 1) * group.stride + group.block_bytes
     for l, layer in enumerate(group.layers):  # noqa: E741 - l is the layer index throughout
         if layer.region not in specs:
             raise DataPlaneError(
@@ -227,7 +234,12 @@ def _local_group(
             )
         addrs.append(region.base + layer.offset)
     return RemoteGroup(
-        group.kind, group.num_blocks, group.block_bytes, tuple(addrs), group.per_logical
+        group.kind,
+        group.num_blocks,
+        group.block_bytes,
+        tuple(addrs),
+        group.per_logical,
+        group.block_stride,
     )
 
 
@@ -240,7 +252,12 @@ def check_remote_engine(engine: RemoteEngine) -> None:
             code="bad_layout",
         )
     for g, group in enumerate(engine.groups):
-        if group.block_bytes <= 0 or group.num_blocks <= 0 or not group.layer_addrs:
+        if (
+            group.block_bytes <= 0
+            or group.num_blocks <= 0
+            or not group.layer_addrs
+            or (group.block_stride and group.block_stride < group.block_bytes)
+        ):
             raise DataPlaneError(
                 f"remote engine {engine.engine_id!r} group {g}: bad geometry", code="bad_layout"
             )
