@@ -62,6 +62,11 @@ class GroupSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def stride(self) -> int:
         return self.block_stride or self.block_bytes
 
+    @property
+    def layer_span(self) -> int:
+        """Bytes from a layer's first block to the end of its last."""
+        return (self.num_blocks - 1) * self.stride + self.block_bytes
+
 
 class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """An engine's full KV layout, as it registers with its daemon."""

@@ -84,21 +84,15 @@ def head_sources(
             f"the prefill's TP must equal the decode's or be a multiple of it"
         )
     first, end = heads_of(decode_rank, decode_tp, num_kv_heads)
-    # Which replica of its heads this decode rank is; it reads from the same
-    # replica on the prefill side, so two decode replicas never share a writer.
-    replica = decode_rank - heads_rank_first(first, decode_tp, num_kv_heads)
+    # This decode rank reads from the prefill replica of the same index, so
+    # two decode replicas of one head never share a writer.
+    replica = _replica(decode_rank, decode_tp, num_kv_heads) % _replicas(prefill_tp, num_kv_heads)
     sources: list[HeadSource] = []
-    held = end - first
     for rank in range(prefill_tp):
         lo, hi = heads_of(rank, prefill_tp, num_kv_heads)
-        if not (first <= lo and hi <= end):
-            continue
-        if rank - heads_rank_first(lo, prefill_tp, num_kv_heads) != replica % _replicas(
-            prefill_tp, num_kv_heads
-        ):
-            continue
-        width = hi - lo
-        sources.append(HeadSource(rank, (lo - first) // width, held // width))
+        if first <= lo and hi <= end and _replica(rank, prefill_tp, num_kv_heads) == replica:
+            width = hi - lo
+            sources.append(HeadSource(rank, (lo - first) // width, (end - first) // width))
     return tuple(sources)
 
 
@@ -113,11 +107,10 @@ def unread_prefill_ranks(decode_tp: int, prefill_tp: int, num_kv_heads: int) -> 
 
 
 def _replicas(tp_size: int, num_kv_heads: int) -> int:
+    """How many ranks hold each KV head (replicas sit on consecutive ranks)."""
     return max(1, tp_size // num_kv_heads)
 
 
-def heads_rank_first(head: int, tp_size: int, num_kv_heads: int) -> int:
-    """The lowest TP rank holding KV head ``head``."""
-    if tp_size >= num_kv_heads:
-        return head * (tp_size // num_kv_heads)
-    return head // (num_kv_heads // tp_size)
+def _replica(rank: int, tp_size: int, num_kv_heads: int) -> int:
+    """Which of its heads' replicas rank ``rank`` is."""
+    return rank % _replicas(tp_size, num_kv_heads)

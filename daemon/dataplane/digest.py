@@ -91,8 +91,7 @@ def _layer_view(spec: EngineSpec, regions: Mapping[str, object], g: int, l: int)
             "DRAM region",
             code="bad_layout",
         )
-    span = (group.num_blocks - 1) * group.stride + group.block_bytes
-    return region.view()[layer.offset : layer.offset + span]
+    return region.view()[layer.offset : layer.offset + group.layer_span]
 
 
 def digests(

@@ -211,15 +211,14 @@ def _local_group(
             f"group {g}: needs block_bytes > 0, num_blocks > 0 and at least one layer",
             code="bad_layout",
         )
-    if group.block_stride and group.block_stride < group.block_bytes:
-        # Blocks that overlap: one block's write would land in the next.
+    if _blocks_overlap(group):
         raise DataPlaneError(
             f"group {g}: block_stride {group.block_stride} is less than block_bytes"
             f" {group.block_bytes}",
             code="bad_layout",
         )
     addrs = []
-    span = (group.num_blocks - 1) * group.stride + group.block_bytes
+    span = group.layer_span
     for l, layer in enumerate(group.layers):  # noqa: E741 - l is the layer index throughout
         if layer.region not in specs:
             raise DataPlaneError(
@@ -243,6 +242,11 @@ def _local_group(
     )
 
 
+def _blocks_overlap(group: GroupSpec | RemoteGroup) -> bool:
+    """A stride below the block size: one block's write would land in the next."""
+    return 0 < group.block_stride < group.block_bytes
+
+
 def check_remote_engine(engine: RemoteEngine) -> None:
     # DRAM and VRAM both accepted (NIXL_MEM); the device id goes into every descriptor row.
     if engine.memory not in NIXL_MEM or engine.device < 0:
@@ -256,7 +260,7 @@ def check_remote_engine(engine: RemoteEngine) -> None:
             group.block_bytes <= 0
             or group.num_blocks <= 0
             or not group.layer_addrs
-            or (group.block_stride and group.block_stride < group.block_bytes)
+            or _blocks_overlap(group)
         ):
             raise DataPlaneError(
                 f"remote engine {engine.engine_id!r} group {g}: bad geometry", code="bad_layout"
