@@ -19,7 +19,8 @@ import msgspec
 
 # The KvpushdConnector's own protocol: bumped when what it puts in
 # kv_transfer_params, or how it reads them, changes incompatibly.
-CONNECTOR_PROTOCOL: Final = 1
+# 2: instances of different TP sizes pair rank by rank (``kv_head_range``).
+CONNECTOR_PROTOCOL: Final = 2
 
 
 class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -28,8 +29,11 @@ class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_
     ``model`` and ``revision`` name the weights (vLLM's ``--model`` value
     and revision, or an operator-chosen model id when the same weights sit
     at different paths on different hosts); ``tp_size`` and ``pp_size`` are
-    the parallel layout the KV was split for; ``engine`` names the engine
-    and its version, ``protocol`` the connector's (``CONNECTOR_PROTOCOL``).
+    the parallel layout the KV was split for; ``kv_head_range`` is the KV
+    heads [first, end) an engine's blocks hold (one TP rank's share, or a
+    head slice of it; ``(0, 0)``: not said, all of them); ``engine`` names
+    the engine and its version, ``protocol`` the connector's
+    (``CONNECTOR_PROTOCOL``).
     """
 
     model: str
@@ -45,3 +49,9 @@ class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_
     pp_size: int = 1
     engine: str = ""
     protocol: int = 0
+    # Last, with a default: fingerprints journaled before it decode unchanged.
+    kv_head_range: tuple[int, int] = (0, 0)
+
+    @property
+    def names_heads(self) -> bool:
+        return self.kv_head_range != (0, 0)

@@ -5,28 +5,50 @@ field; the refusal names the first field that differs, with both values, so
 the journal says which setting an operator must fix. An engine that
 declares no fingerprint pairs only with another that declares none: a
 fingerprinted engine never takes KV whose origin nobody vouched for.
+
+Instances of different TP sizes pair rank by rank: where both engines name
+the KV heads their blocks hold (``kv_head_range``), those heads must be the
+same and ``tp_size`` is not compared (a TP 2 prefill rank's one head fills a
+head slice of a TP 1 decode rank's blocks, statemachine/ranks.py); a pair
+mapped to the wrong heads is refused by the heads it names.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 from schemas.fingerprint import Fingerprint
 from schemas.reasons import Reason
 from statemachine.errors import TrimRefused
 
+# Where an engine sits among its instance's ranks, not what its KV is: not
+# compared once both engines name the heads they hold.
+PLACEMENT_FIELDS = frozenset({"tp_size"})
+
 
 def first_difference(
-    prefill: Fingerprint | None, decode: Fingerprint | None
+    prefill: Fingerprint | None,
+    decode: Fingerprint | None,
+    *,
+    ignore: Collection[str] = (),
 ) -> tuple[str, object, object] | None:
-    """The first field whose values differ, with the prefill's and the decode's; None if equal."""
+    """The first field whose values differ, with the prefill's and the decode's; None if equal.
+
+    ``ignore``: fields not compared (a scheduler asks whether two instances'
+    KV can pair at all, before it knows which ranks pair).
+    """
     if prefill == decode:
         return None
     if prefill is None or decode is None:
         return ("fingerprint", _declared(prefill), _declared(decode))
+    skip = frozenset(ignore)
+    if prefill.names_heads and decode.names_heads:
+        skip |= PLACEMENT_FIELDS
     for name in Fingerprint.__struct_fields__:
         ours, theirs = getattr(prefill, name), getattr(decode, name)
-        if ours != theirs:
+        if ours != theirs and name not in skip:
             return (name, ours, theirs)
-    raise AssertionError("unequal fingerprints with equal fields")
+    return None
 
 
 def check_fingerprints(prefill: Fingerprint | None, decode: Fingerprint | None) -> None:

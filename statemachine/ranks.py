@@ -106,6 +106,33 @@ def unread_prefill_ranks(decode_tp: int, prefill_tp: int, num_kv_heads: int) -> 
     return tuple(rank for rank in range(prefill_tp) if rank not in read)
 
 
+def forgone_sources(
+    decode_rank: int, decode_tp: int, prefill_tp: int, num_kv_heads: int
+) -> tuple[HeadSource, ...]:
+    """The unread prefill ranks whose pushes decode rank ``decode_rank`` ends.
+
+    Each unread replica is ended by one decode rank: the first that holds its
+    heads, with an empty receiver on the slice of those heads (so the
+    pairing's head check passes and the push ends with nothing written
+    instead of holding the prefill's blocks until its deadline).
+    """
+    first, end = heads_of(decode_rank, decode_tp, num_kv_heads)
+    ended: list[HeadSource] = []
+    for rank in unread_prefill_ranks(decode_tp, prefill_tp, num_kv_heads):
+        lo, hi = heads_of(rank, prefill_tp, num_kv_heads)
+        holders = [
+            d for d in range(decode_tp) if _contains(heads_of(d, decode_tp, num_kv_heads), lo, hi)
+        ]
+        if holders and holders[0] == decode_rank:
+            width = hi - lo
+            ended.append(HeadSource(rank, (lo - first) // width, (end - first) // width))
+    return tuple(ended)
+
+
+def _contains(heads: tuple[int, int], lo: int, hi: int) -> bool:
+    return heads[0] <= lo and hi <= heads[1]
+
+
 def _replicas(tp_size: int, num_kv_heads: int) -> int:
     """How many ranks hold each KV head (replicas sit on consecutive ranks)."""
     return max(1, tp_size // num_kv_heads)

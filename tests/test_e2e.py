@@ -28,6 +28,7 @@ from daemon.sim.kvpattern import changed_blocks, snapshot
 from daemon.sim.launcher import Daemon, cpu_seconds, daemon_pair
 from schemas import rpc
 from schemas.events import Failed, Refused, WriteStarted
+from schemas.fingerprint import Fingerprint
 from schemas.kvlayout import GroupSpec, LayerSpec
 from schemas.layout import GroupKind, Role
 from statemachine.ranks import head_sources, share_id
@@ -481,19 +482,24 @@ async def _next(client: EngineClient, request_id: str) -> rpc.Event:
             return event
 
 
-async def test_two_prefill_ranks_fill_the_two_head_slices_of_one_decode_rank(pair):
+@pytest.mark.parametrize("mis_mapped", [False, True], ids=["mapped", "mis-mapped"])
+async def test_two_prefill_ranks_fill_the_two_head_slices_of_one_decode_rank(pair, mis_mapped):
     """P TP 2 -> D TP 1 at the daemon level, through real daemons and NIXL writes.
 
     Each prefill rank's block holds one KV head (half a decode block); the
     decode rank registers two head-slice engines over its one buffer
     (block_stride = its block size, offsets 0 and half a block), and each
     prefill rank's push pairs with its slice (statemachine/ranks.head_sources).
-    The decode buffer must end as the two heads side by side in every written
-    block, and the bytes outside the written blocks untouched.
+    Every engine's fingerprint names the heads it holds. The decode buffer
+    must end as the two heads side by side in every written block, and the
+    bytes outside the written blocks untouched. Mis-mapped (each rank's
+    share on the other rank's slice), the prefill daemon refuses both
+    pairings by the heads they name, and not one decode byte changes.
     """
     prefill, decode = pair
     tag, nblocks, half = _uid(), 16, 2048
     paths: list[str] = []
+    model = Fingerprint("/models/tiny", num_kv_heads=2, tp_size=2, protocol=2)
 
     def shm(name: str, size: int):
         spec = create_shm_file(f"/dev/shm/kvpushd-test-{name}-{tag}", size)
@@ -512,7 +518,12 @@ async def test_two_prefill_ranks_fill_the_two_head_slices_of_one_decode_rank(pai
                 GroupKind.ATTENTION, nblocks, half, (LayerSpec(d_region.name, offset),),
                 block_stride=2 * half,
             )  # fmt: skip
-            await dec.register_engine(f"d-{tag}-h{source.slice_index}", (slice_group,), (d_region,))
+            heads = (source.slice_index, source.slice_index + 1)
+            slice_print = msgspec.structs.replace(model, tp_size=1, kv_head_range=heads)
+            await dec.register_engine(
+                f"d-{tag}-h{source.slice_index}", (slice_group,), (d_region,),
+                fingerprint=slice_print,
+            )  # fmt: skip
         src, dst = [3, 4, 5], [9, 2, 12]
         for rank in range(2):
             p_region, p_bytes = shm(f"p{rank}", nblocks * half)
@@ -520,17 +531,30 @@ async def test_two_prefill_ranks_fill_the_two_head_slices_of_one_decode_rank(pai
             pre = await EngineClient.connect(prefill.socket)
             clients.append(pre)
             group = GroupSpec(GroupKind.ATTENTION, nblocks, half, (LayerSpec(p_region.name),))
-            await pre.register_engine(f"p-{tag}-tp{rank}", (group,), (p_region,))
+            rank_print = msgspec.structs.replace(model, kv_head_range=(rank, rank + 1))
+            engine = f"p-{tag}-tp{rank}"
+            await pre.register_engine(engine, (group,), (p_region,), fingerprint=rank_print)
             share = share_id(f"x-{tag}", rank, 2)
-            await pre.register_request(f"p-{tag}-tp{rank}", share, Role.PUSHER, [src])
+            await pre.register_request(engine, share, Role.PUSHER, [src])
+            into = 1 - rank if mis_mapped else rank
             await dec.register_request(
-                f"d-{tag}-h{rank}", share, Role.RECEIVER, [dst], peer="prefill"
+                f"d-{tag}-h{into}", share, Role.RECEIVER, [dst], peer="prefill"
             )
             await pre.kv_ready(share)
-            assert isinstance(await _next(pre, share), rpc.BlocksFreeable)
+            outcome = await _next(pre, share)
+            if mis_mapped:
+                assert isinstance(outcome, rpc.RequestFailed), outcome
+                assert outcome.reason == "fingerprint_mismatch"
+                assert "field 'kv_head_range' differs" in outcome.message, outcome.message
+            else:
+                assert isinstance(outcome, rpc.BlocksFreeable), outcome
         arrived = {(await dec.next_event(timeout=20)) for _ in range(2)}
-        assert {type(e) for e in arrived} == {rpc.KvArrived}
+        expected = rpc.RequestFailed if mis_mapped else rpc.KvArrived
+        assert {type(e) for e in arrived} == {expected}, arrived
         blocks = np.asarray(d_bytes).reshape(nblocks, 2, half)
+        if mis_mapped:
+            assert (blocks == 0x5A).all()
+            return
         for rank in range(2):
             sent = np.memmap(paths[1 + rank], dtype=np.uint8, mode="r").reshape(nblocks, half)
             for s, d in zip(src, dst, strict=True):

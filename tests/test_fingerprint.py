@@ -64,7 +64,8 @@ def test_equal_fingerprints_pair_and_so_do_two_undeclared_ones() -> None:
         ("tp_size", 2),
         ("pp_size", 2),
         ("engine", "vllm 0.33.0"),
-        ("protocol", 2),
+        ("protocol", 3),
+        ("kv_head_range", (0, 1)),
     ],
 )
 def test_any_differing_field_is_refused_by_name(field: str, value: object) -> None:
@@ -85,7 +86,23 @@ def test_every_fingerprint_field_is_named_by_the_parametrized_test() -> None:
     # A field added to Fingerprint must be compared (and tested) like the others.
     named = {"model", "revision", "dtype", "kv_cache_dtype", "block_size", "num_layers"}
     named |= {"num_kv_heads", "head_size", "kv_layout", "tp_size", "pp_size", "engine"}
-    assert set(Fingerprint.__struct_fields__) == named | {"protocol"}
+    assert set(Fingerprint.__struct_fields__) == named | {"protocol", "kv_head_range"}
+
+
+def test_engines_naming_their_heads_pair_across_tp_sizes_only_on_the_same_heads() -> None:
+    # A TP 2 prefill rank's head 1 into the slice of a TP 1 decode rank that holds head 1.
+    prefill = msgspec.structs.replace(TINY, tp_size=2, kv_head_range=(1, 2))
+    decode_slice = msgspec.structs.replace(TINY, tp_size=1, kv_head_range=(1, 2))
+    assert first_difference(prefill, decode_slice) is None
+    check_fingerprints(prefill, decode_slice)
+    # Mapped to the other head's slice: refused by the heads, whatever the TP sizes.
+    wrong = msgspec.structs.replace(decode_slice, kv_head_range=(0, 1))
+    assert first_difference(prefill, wrong) == ("kv_head_range", (1, 2), (0, 1))
+    # Only one side naming its heads: TP sizes are compared as before.
+    unnamed = msgspec.structs.replace(TINY, tp_size=1)
+    assert first_difference(prefill, unnamed) == ("tp_size", 2, 1)
+    # A scheduler asking whether two instances can pair at all leaves TP aside.
+    assert first_difference(prefill, unnamed, ignore={"tp_size", "kv_head_range"}) is None
 
 
 # --------------------------------------------------------- two real daemons

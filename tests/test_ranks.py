@@ -49,6 +49,7 @@ def test_an_exact_request_filter_finds_every_ranks_share_and_nothing_else() -> N
 from statemachine.ranks import (  # noqa: E402 - the head-slice half of the module
     HeadSource,
     UnmappableRanks,
+    forgone_sources,
     head_sources,
     heads_of,
     unread_prefill_ranks,
@@ -98,6 +99,25 @@ def test_every_destination_head_has_exactly_one_writer_holding_it(
             covered.extend(range(lo, hi))
         assert sorted(covered) == list(range(first, end)), (rank, covered)
     assert set(unread_prefill_ranks(d_tp, p_tp, heads)) == set(range(p_tp)) - writers
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp", "heads"), SHAPES)
+def test_every_unread_replica_is_ended_by_exactly_one_decode_rank_on_its_own_heads(
+    p_tp: int, d_tp: int, heads: int
+) -> None:
+    ended: list[int] = []
+    for rank in range(d_tp):
+        first, end = heads_of(rank, d_tp, heads)
+        for source in forgone_sources(rank, d_tp, p_tp, heads):
+            lo, hi = heads_of(source.prefill_rank, p_tp, heads)
+            width = (end - first) // source.slices
+            # Its empty receiver sits on the slice of the replica's own heads.
+            assert (lo, hi) == (
+                first + source.slice_index * width,
+                first + (source.slice_index + 1) * width,
+            )
+            ended.append(source.prefill_rank)
+    assert sorted(ended) == sorted(unread_prefill_ranks(d_tp, p_tp, heads))
 
 
 def test_a_decode_with_more_ranks_than_the_prefill_is_refused_with_why() -> None:
