@@ -210,47 +210,62 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=8, help="tokens generated per request")
     parser.add_argument("--aborts", type=int, default=24, help="abort-scenario trials")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of every server")
+    parser.add_argument(
+        "--prefill-tp", type=int, help="the kvpushd prefill's TP size (default --tp)"
+    )
+    parser.add_argument("--decode-tp", type=int, help="the kvpushd decode's TP size (default --tp)")
     parser.add_argument("--no-record", action="store_true", help="do not write RESULTS.md")
     args = parser.parse_args(argv)
 
     prompts = Prompts(args.prompt_len)
-    setups = {name: Samples() for name in ("single instance", "NixlPushConnector", "kvpushd")}
-    with tempfile.TemporaryDirectory(prefix="vllm-pd-bench-") as tmp:
+    prefill_tp = args.prefill_tp or args.tp
+    decode_tp = args.decode_tp or args.tp
+    # vLLM's push connector is run with one TP size on both sides only.
+    anchored = prefill_tp == decode_tp
+    names = (
+        ("single instance", "NixlPushConnector", "kvpushd")
+        if anchored
+        else ("single instance", "kvpushd")
+    )
+    setups = {name: Samples() for name in names}
+    with (
+        tempfile.TemporaryDirectory(prefix="vllm-pd-bench-") as tmp,
+        contextlib.ExitStack() as stack,
+    ):
         work = Path(tmp)
         model = write_tinyllama(work / "model")
         print("starting the kvpushd pair (two daemons, two servers) ...", file=sys.stderr)
-        with kvpushd_pd(model, work / "kvpushd", prefill_tp=args.tp, decode_tp=args.tp) as (
-            kp,
-            kd,
-            prefill,
-            decode,
-        ):
-            kp.pause(), kd.pause()
+        kp, kd, prefill, decode = stack.enter_context(
+            kvpushd_pd(model, work / "kvpushd", prefill_tp=prefill_tp, decode_tp=decode_tp)
+        )
+        kp.pause(), kd.pause()
+        pairs = {"kvpushd": (kp, kd)}
+        if anchored:
             print("starting the NixlPushConnector pair ...", file=sys.stderr)
-            with nixl_push_pd(model, work / "nixl", tp=args.tp) as (np_, nd):
-                np_.pause(), nd.pause()
-                pairs = {"kvpushd": (kp, kd), "NixlPushConnector": (np_, nd)}
-                for round_ in range(args.rounds):
-                    order = ["kvpushd", "NixlPushConnector"]
-                    for name in order if round_ % 2 == 0 else order[::-1]:
-                        p, d = pairs[name]
-                        with paused(p, d):
-                            if name == "kvpushd":
-                                measure_single(p, prompts, args, setups["single instance"])
-                            measure_pd(p, d, prompts, args, setups[name])
-                        print(f"round {round_ + 1}: {name} done", file=sys.stderr)
-                aborts = {}
-                for name, (p, d) in pairs.items():
-                    live = (
-                        (lambda: prefill.status()["live"] + decode.status()["live"])
-                        if name == "kvpushd"
-                        else None
-                    )
-                    with paused(p, d):
-                        aborts[name] = abort_scenario(p, d, prompts, args.aborts, args.tokens, live)
-                    print(f"abort scenario: {name} done", file=sys.stderr)
-                for server in (kp, kd):
-                    server.resume()
+            np_, nd = stack.enter_context(nixl_push_pd(model, work / "nixl", tp=args.tp))
+            np_.pause(), nd.pause()
+            pairs["NixlPushConnector"] = (np_, nd)
+        for round_ in range(args.rounds):
+            order = list(pairs)
+            for name in order if round_ % 2 == 0 else order[::-1]:
+                p, d = pairs[name]
+                with paused(p, d):
+                    if name == "kvpushd":
+                        measure_single(p, prompts, args, setups["single instance"])
+                    measure_pd(p, d, prompts, args, setups[name])
+                print(f"round {round_ + 1}: {name} done", file=sys.stderr)
+        aborts = {}
+        for name, (p, d) in pairs.items():
+            live = (
+                (lambda: prefill.status()["live"] + decode.status()["live"])
+                if name == "kvpushd"
+                else None
+            )
+            with paused(p, d):
+                aborts[name] = abort_scenario(p, d, prompts, args.aborts, args.tokens, live)
+            print(f"abort scenario: {name} done", file=sys.stderr)
+        for server in (kp, kd):
+            server.resume()
 
     head = (
         "| setup | TTFT p50 ms | TTFT p99 ms | TTFT p50 ms, loaded | TTFT p99 ms, loaded "
@@ -278,7 +293,17 @@ def main(argv: list[str] | None = None) -> int:
             "pinned to one core of this 2-core machine; the pair not measured is SIGSTOPped."
         )
         title = "Real vLLM P/D: KvpushdConnector and NixlPushConnector"
-        if args.tp > 1:
+        if not anchored:
+            title = (
+                f"Real vLLM P/D: KvpushdConnector, prefill TP {prefill_tp} to decode TP {decode_tp}"
+            )
+            context += (
+                f" The prefill runs {prefill_tp} TP ranks and the decode {decode_tp}, each "
+                "server's ranks on its one core; vLLM's NixlPushConnector is not run with two "
+                "TP sizes here, so this table has no anchor row; the single instance is the "
+                "prefill server alone."
+            )
+        elif args.tp > 1:
             title += f", TP {args.tp} on both sides"
             context += f" Every server runs {args.tp} TP ranks, all on its one core."
         write_section(title, context, body)

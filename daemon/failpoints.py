@@ -132,6 +132,13 @@ POINTS: Final[Mapping[str, Point]] = MappingProxyType(
             io=False,
             corrupts=True,
         ),
+        "connector.swap_slices": Point(
+            "KvpushdConnector _WorkerSide._start_load (daemon/client/vllm.py): a decode rank "
+            "fed by several prefill ranks registers each prefill rank's receiver on the "
+            "next rank's head slice (a planted rank mis-mapping; one hit per load)",
+            io=False,
+            corrupts=True,
+        ),
         "integrity.shift_src": Point(
             "Integrity.wire_src (daemon/node/integrity.py): the pusher hands NIXL the "
             "front of its blocks instead of the trimmed tail (a planted front-trim)",

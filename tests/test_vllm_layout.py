@@ -9,9 +9,19 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
-from daemon.client.vllm_layout import SINGLE_RANK_SETTINGS, UnsupportedLayout, check_supported
+from daemon.client.vllm_layout import (
+    SINGLE_RANK_SETTINGS,
+    UnsupportedLayout,
+    check_supported,
+    rank_fingerprint,
+    rank_map_problem,
+    slice_fingerprint,
+)
+from schemas.fingerprint import CONNECTOR_PROTOCOL, Fingerprint
+from statemachine.fingerprint import first_difference
 
 
 def _config(**parallel: int) -> SimpleNamespace:
@@ -39,3 +49,35 @@ def test_a_setting_this_vllm_does_not_have_counts_as_one() -> None:
 def test_more_than_one_kv_cache_group_is_refused() -> None:
     with pytest.raises(UnsupportedLayout, match="2 KV cache groups"):
         check_supported(_config(), SimpleNamespace(kv_cache_groups=[object(), object()]))
+
+
+# ------------------------------------------------------------- rank pairing
+
+INSTANCE = Fingerprint("/models/tiny", num_kv_heads=2, tp_size=2, protocol=CONNECTOR_PROTOCOL)
+
+
+def test_each_rank_names_the_heads_it_holds_and_a_slice_names_its_own() -> None:
+    assert [rank_fingerprint(INSTANCE, r).kv_head_range for r in (0, 1)] == [(0, 1), (1, 2)]
+    single = msgspec.structs.replace(INSTANCE, tp_size=1)
+    assert rank_fingerprint(single, 0).kv_head_range == (0, 2)
+    assert slice_fingerprint(single, (1, 2)).kv_head_range == (1, 2)
+    # A TP 2 prefill rank pairs with the TP 1 decode's slice of its heads, not the other.
+    assert (
+        first_difference(rank_fingerprint(INSTANCE, 1), slice_fingerprint(single, (1, 2))) is None
+    )
+    assert first_difference(rank_fingerprint(INSTANCE, 1), slice_fingerprint(single, (0, 1))) == (
+        "kv_head_range",
+        (1, 2),
+        (0, 1),
+    )
+
+
+def test_instances_pair_when_the_prefill_has_a_multiple_of_the_decodes_ranks() -> None:
+    def tp(size: int) -> Fingerprint:
+        return msgspec.structs.replace(INSTANCE, tp_size=size)
+
+    assert rank_map_problem(tp(2), tp(2)) is None
+    assert rank_map_problem(tp(2), tp(1)) is None
+    assert rank_map_problem(tp(4), tp(2)) is None  # TP 4 replicates the 2 heads
+    problem = rank_map_problem(tp(1), tp(2))
+    assert problem is not None and "TP 1 cannot feed a decode with TP 2" in problem

@@ -10,9 +10,22 @@ KV heads; vLLM finishes a load only when every rank reported it.
 The oracle: the decode instance's greedy tokens equal a single instance's
 (the TP 2 prefill instance asked without transfer parameters: same weights,
 same TP), the external-KV counter moved, and both journals show every rank's
-pair written. Instances of different TP sizes never pair (their fingerprints
-differ in ``tp_size``): the decode side computes the prompt itself, and both
-daemons end every rank's share at once.
+pair written.
+
+A TP 2 prefill feeds a TP 1 decode: each prefill rank's one KV head goes
+into the head slice of the decode's blocks that holds it (a slice engine
+per head), with ``verify = "all"`` checking every written slice end to end.
+The oracle there: the decode's tokens equal the TP 2 instance's alone (a
+single TP 2 instance gives exactly the TP 1 tokens on this model, measured:
+the float sums TP changes do not move its greedy tokens; asking the decode
+instance itself would make the prompt a local prefix hit), the external-KV
+counter moved by the prompt, and both journals show both ranks' shares
+written and verified. The negative control plants a mis-mapping (each
+prefill rank's receiver on the other rank's slice): the prefill daemon
+refuses both pairings by the heads they name, nothing is written, and the
+decode computes the prompt. A TP 1 prefill cannot feed a TP 2 decode (one
+prefill rank would write into two decode ranks): the decode computes the
+prompt, and the prefill daemon refuses the pairing by the heads.
 
 Every rank of an instance runs on that instance's one core (the CPU build
 runs TP over gloo with a shared-memory all-reduce).
@@ -109,15 +122,25 @@ def test_tp2_decode_prefix_hit_moves_only_the_tail_blocks_on_every_rank(tp2_pd: 
 
 # ---------------------------------------------------- different TP sizes
 
+# The integrity check reads every written slice back on both sides.
+VERIFY_ALL = '[integrity]\nverify = "all"'
+
 
 @pytest.fixture(scope="module")
 def tp2_and_tp1(
     tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[tuple[VllmServer, Daemon], tuple[VllmServer, Daemon]]]:
-    """A TP 2 and a TP 1 instance, each kv_both beside its own daemon: either may prefill."""
+    """A TP 2 and a TP 1 instance, each kv_both beside its own daemon: either may prefill.
+
+    The TP 1 instance's first load from the TP 2 one is mis-mapped on
+    purpose (the negative control, at the start of the one test that loads
+    that way).
+    """
     workdir = tmp_path_factory.mktemp("pd-tp-mixed")
     cores = sorted(os.sched_getaffinity(0))
-    daemons = [Daemon(name, workdir, free_port()).start() for name in ("two", "one")]
+    daemons = [
+        Daemon(name, workdir, free_port(), extra=VERIFY_ALL).start() for name in ("two", "one")
+    ]
     servers = [
         VllmServer(
             name.upper(),
@@ -125,10 +148,20 @@ def tp2_and_tp1(
             workdir,
             core=core,
             tp=tp,
-            extra_args=["--kv-transfer-config", kvpushd_connector_config("kv_both", daemon)],
+            extra_args=[
+                "--kv-transfer-config",
+                # A failed load is recomputed: the negative control's tokens stay right.
+                kvpushd_connector_config("kv_both", daemon, kv_load_failure_policy="recompute"),
+            ],
+            env=env,
         )
-        for name, core, tp, daemon in zip(
-            ("two", "one"), (cores[0], cores[-1]), (2, 1), daemons, strict=True
+        for name, core, tp, daemon, env in zip(
+            ("two", "one"),
+            (cores[0], cores[-1]),
+            (2, 1),
+            daemons,
+            ({}, {"KVPUSHD_FAILPOINTS": "connector.swap_slices=corrupt@1"}),
+            strict=True,
         )
     ]
     shm_before = vllm_shm_segments()
@@ -140,27 +173,97 @@ def tp2_and_tp1(
         assert [daemon.stop() for daemon in daemons] == [0, 0]
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
-def test_instances_of_different_tp_never_pair_and_the_decode_computes_the_prompt(
-    tp2_and_tp1, prefill_tp: int, decode_tp: int
+def test_tp2_prefill_fills_both_head_slices_of_a_tp1_decode_token_exact(tp2_and_tp1) -> None:
+    # First (the failpoint fires on the decode's first such load): the negative control.
+    _a_mis_mapped_rank_pair_is_refused_by_its_heads(tp2_and_tp1)
+    _each_prefill_rank_fills_its_head_slice(tp2_and_tp1)
+
+
+def _a_mis_mapped_rank_pair_is_refused_by_its_heads(tp2_and_tp1) -> None:
+    (p, prefill), (d, decode) = tp2_and_tp1
+    rng = random.Random(31)
+    prompt = [rng.randrange(2, 512) for _ in range(96)]
+    single = p.complete(prompt, TOKENS).token_ids  # the TP 2 instance: TP 1's tokens here
+    sent = prefill_leg(p, prompt)
+    # The failed load is recomputed (the policy set above): never wrong tokens.
+    # (vLLM counts the external tokens it was promised, loaded or not.)
+    assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
+    wait_idle(prefill, decode, timeout=10)
+    transfer = sent["kvpushd_transfer_id"]
+    reasons = set()
+    for rank in (0, 1):
+        share = f"{transfer}@tp{rank}"
+        (refused,) = [e for e in prefill.journal_events(share) if isinstance(e, Refused)]
+        assert refused.reason is Reason.FINGERPRINT_MISMATCH
+        assert "field 'kv_head_range' differs" in refused.message, refused.message
+        events = decode.journal_events(share)
+        assert not [e for e in events if isinstance(e, WriteDone)], events
+        (failed,) = [e for e in events if isinstance(e, Failed)]
+        reasons.add(failed.reason)
+        assert isinstance(events[-1], Released), events
+    # The first refusal fails the load; the other share is refused too, or
+    # aborted by the connector first (all or nothing), whichever came first.
+    assert Reason.FINGERPRINT_MISMATCH in reasons, reasons
+    assert reasons <= {Reason.FINGERPRINT_MISMATCH, Reason.ABORTED}, reasons
+
+
+def _each_prefill_rank_fills_its_head_slice(tp2_and_tp1) -> None:
+    (p, prefill), (d, decode) = tp2_and_tp1
+    rng = random.Random(32)
+    checked = decode.status()["counters"]["integrity_blocks_verified"]
+    for length in (40, 200):
+        prompt = [rng.randrange(2, 512) for _ in range(length)]
+        # The TP 2 instance alone (asked on the decode, the prompt would be a
+        # local prefix hit there): its tokens are the TP 1 tokens on this model.
+        single = p.complete(prompt, TOKENS).token_ids
+        sent = prefill_leg(p, prompt)
+        assert sent["kvpushd_fingerprint"]["tp_size"] == 2
+        before = d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer")
+        assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single, length
+        loaded = d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer") - before
+        assert loaded >= length - 1, (length, loaded)
+        wait_idle(prefill, decode)
+        transfer = sent["kvpushd_transfer_id"]
+        engines = set()
+        for rank in (0, 1):
+            share = f"{transfer}@tp{rank}"
+            for daemon in (prefill, decode):
+                kinds = [type(e) for e in daemon.journal_events(share)]
+                assert WriteDone in kinds and kinds[-1] is Released, (daemon.node, rank, kinds)
+            (registered,) = [e for e in decode.journal_events(share) if isinstance(e, Registered)]
+            engines.add(registered.engine_id)
+        # Each prefill rank's heads went into the slice engine of those heads.
+        assert sorted(e.rsplit("-kvh", 1)[-1] for e in engines) == ["0-1", "1-2"], engines
+        # Every written slice's bytes were checked against the prefill rank's checksums.
+        counters = decode.status()["counters"]
+        assert counters["integrity_mismatches"] == 0
+        assert counters["integrity_blocks_verified"] > checked, counters
+        checked = counters["integrity_blocks_verified"]
+    slices = {
+        engine_id: engine["fingerprint"]["kv_head_range"]
+        for engine_id, engine in decode.status()["engines"].items()
+        if "-kvh" in engine_id
+    }
+    assert sorted(tuple(heads) for heads in slices.values()) == [(0, 1), (1, 2)], slices
+
+
+def test_a_tp1_prefill_cannot_feed_a_tp2_decode_and_the_decode_computes_the_prompt(
+    tp2_and_tp1,
 ) -> None:
-    by_tp = {2: tp2_and_tp1[0], 1: tp2_and_tp1[1]}
-    (p, prefill), (d, decode) = by_tp[prefill_tp], by_tp[decode_tp]
-    rng = random.Random(23 + prefill_tp)
+    (d, decode), (p, prefill) = tp2_and_tp1
+    rng = random.Random(24)
     prompt = [rng.randrange(2, 512) for _ in range(96)]
     single = d.complete(prompt, TOKENS).token_ids
     sent = prefill_leg(p, prompt)
     before = d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer")
     assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
     assert d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer") == before
-    # Every prefill rank's share ends at once (well before its 30 s deadline).
+    # The prefill's push ends at once (well before its 30 s deadline).
     wait_idle(prefill, decode, timeout=10)
     transfer = sent["kvpushd_transfer_id"]
-    shares = [transfer] if prefill_tp == 1 else [f"{transfer}@tp{r}" for r in range(prefill_tp)]
-    for share in shares:
-        events = prefill.journal_events(share)
-        (refused,) = [e for e in events if isinstance(e, Refused)]
-        assert refused.reason is Reason.FINGERPRINT_MISMATCH, events
-        assert "field 'tp_size' differs" in refused.message
-        (failed,) = [e for e in decode.journal_events(share) if isinstance(e, Failed)]
-        assert failed.reason is Reason.FINGERPRINT_MISMATCH
+    events = prefill.journal_events(transfer)
+    (refused,) = [e for e in events if isinstance(e, Refused)]
+    assert refused.reason is Reason.FINGERPRINT_MISMATCH, events
+    assert "field 'kv_head_range' differs" in refused.message
+    (failed,) = [e for e in decode.journal_events(transfer) if isinstance(e, Failed)]
+    assert failed.reason is Reason.FINGERPRINT_MISMATCH

@@ -40,9 +40,15 @@ thread, and events come back through a queue drained once per step.
   decode request whose prompt differs computes it. One request per
   transfer: a second request with the same params (a retry) computes its
   prompt. A prefill request that ended by abort pushes nothing.
-- Shapes: TP ranks (each rank's share is its own daemon request,
-  statemachine/ranks.py) and one KV cache group; PP, DP and context
-  parallel are refused when vLLM builds the connector (``check_supported``).
+- Shapes: TP ranks (each prefill rank's share is its own daemon request,
+  statemachine/ranks.py) and one KV cache group. Equal TP sizes pair rank
+  to rank; a prefill with k times the decode's ranks writes each decode
+  rank's blocks from k prefill ranks, each into the head slice that holds
+  its heads (a slice engine over the same memory), and the decode rank's
+  load ends only when every one has landed (any failure fails the load
+  once all are released). A decode with more ranks than the prefill
+  computes the prompt. PP, DP and context parallel are refused when vLLM
+  builds the connector (``check_supported``).
 - No daemon yet: vLLM starts anyway and serves without remote KV (its
   pushes and loads end at once) until the daemon is up, then registers.
 - Memory: ``get_mem_pool_context`` makes vLLM's one KV buffer a /dev/shm file
@@ -94,18 +100,32 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
+from daemon import failpoints
 from daemon.client import vllm_stats as vs
 from daemon.client.engine_client import EngineClient
 from daemon.client.errors import ClientError, DaemonUnreachable, RpcError
 from daemon.client.kvfile import create_kv_file, sweep_stale_kv_files
-from daemon.client.vllm_layout import check_supported, fingerprint, prompt_digest
+from daemon.client.vllm_layout import (
+    check_supported,
+    fingerprint,
+    prompt_digest,
+    rank_fingerprint,
+    rank_map_problem,
+    slice_fingerprint,
+)
 from schemas import rpc
 from schemas.fingerprint import Fingerprint
 from schemas.kvlayout import GroupSpec, LayerSpec, RegionSpec
 from schemas.layout import GroupKind, Role
 from schemas.reasons import Reason
 from statemachine.fingerprint import first_difference
-from statemachine.ranks import share_id
+from statemachine.ranks import (
+    HeadSource,
+    UnmappableRanks,
+    forgone_sources,
+    head_sources,
+    share_id,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -132,6 +152,10 @@ _UNTIL_ANSWERED = math.inf
 _MAX_SEEN = 65536
 # A prefill's TP size read from kv_transfer_params is believed up to this.
 _MAX_RANKS = 256
+# What two instances' fingerprints may differ in and still pair: where each
+# rank sits (the rank map pairs their heads, and each engine's own
+# fingerprint names its heads for the daemon to check).
+_ACROSS_RANKS = ("tp_size", "kv_head_range")
 # How a prefill request must have ended for its KV to be pushed: its prompt
 # was computed (it stopped, or hit its length). An abort pushes nothing.
 _COMPUTED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED})
@@ -151,7 +175,11 @@ class ReceiveSpec:
     """A decode request waiting for its prompt's KV in ``block_ids``.
 
     ``source_ranks``: the prefill instance's TP size (from its fingerprint),
-    which names its ranks' shares of the transfer.
+    which names its ranks' shares of the transfer. ``paired``: the two
+    instances' KV pairs (each decode rank ends its own sources' pushes);
+    False: rank 0 ends every prefill rank's push (the prefill daemon refuses
+    the pairing). ``engine_id``: the engine (this rank's, or a head slice of
+    it) the worker registers the receiver on; "" until the worker chose.
     """
 
     request_id: str
@@ -160,16 +188,32 @@ class ReceiveSpec:
     peer: str
     peer_address: str
     source_ranks: int = 1
+    paired: bool = True
+    engine_id: str = ""
 
 
-@dataclass(frozen=True)
-class _Loading:
-    """A decode request's load the worker waits for (vLLM's thread)."""
+@dataclass
+class _Load:
+    """A decode request's load the worker waits for (vLLM's thread).
+
+    One daemon receiver per prefill rank that feeds this rank (``shares``).
+    It ends when every share has landed, or, once one failed, when every
+    share is settled: arrived, or released by the daemon (no write can
+    reach the blocks any more). Then, and only then, vLLM gets the blocks.
+    """
 
     request_id: str
     block_ids: tuple[int, ...]
     generation: int  # the daemon connection it was posted under
     posted_at: float  # time.monotonic(), for its time in the stats
+    shares: tuple[str, ...]
+    pending: set[str] = field(default_factory=set)  # no outcome yet
+    holding: set[str] = field(default_factory=set)  # a write may still reach the blocks
+    failed: bool = False
+
+    def __post_init__(self) -> None:
+        self.pending = set(self.shares)
+        self.holding = set(self.shares)
 
 
 @dataclass(frozen=True)
@@ -388,7 +432,10 @@ class _SchedulerSide:
             # field) instead of at its deadline.
             self._compute_here(request, params, why)
             if self._first_time(transfer_id):
-                self._pending.forgo.append(_receive_spec(request.request_id, params, ()))
+                paired = why[0] != vs.FINGERPRINT
+                self._pending.forgo.append(
+                    _receive_spec(request.request_id, params, (), paired=paired)
+                )
             return 0, False
         _remember(self._claims, transfer_id, request.request_id)
         return self._external_tokens(request, num_computed_tokens)
@@ -413,13 +460,16 @@ class _SchedulerSide:
             sent = msgspec.convert(params.get("kvpushd_fingerprint"), Fingerprint)
         except msgspec.ValidationError as exc:
             return vs.FINGERPRINT, f"the prefill's KV fingerprint is missing or unreadable ({exc})"
-        difference = first_difference(sent, self._fingerprint)
+        difference = first_difference(sent, self._fingerprint, ignore=_ACROSS_RANKS)
         if difference is not None:
             field_name, theirs, ours = difference
             return vs.FINGERPRINT, (
                 f"the prefill's KV fingerprint differs in {field_name} (prefill {theirs!r}, "
                 f"this instance {ours!r})"
             )
+        unmappable = rank_map_problem(sent, self._fingerprint)
+        if unmappable is not None:
+            return vs.FINGERPRINT, f"the two instances' ranks do not pair: {unmappable}"
         prompt = request.prompt_token_ids
         if prompt is None:
             return vs.PROMPT, "the request has no prompt token ids to compare with the prefill's"
@@ -514,7 +564,9 @@ def _remember(memory: dict[str, Any], key: str, value: Any) -> None:
         del memory[next(iter(memory))]
 
 
-def _receive_spec(request_id: str, params: dict[str, Any], block_ids: Any) -> ReceiveSpec:
+def _receive_spec(
+    request_id: str, params: dict[str, Any], block_ids: Any, *, paired: bool = True
+) -> ReceiveSpec:
     sent = params.get("kvpushd_fingerprint")
     ranks = sent.get("tp_size", 1) if isinstance(sent, dict) else 1
     return ReceiveSpec(
@@ -524,6 +576,7 @@ def _receive_spec(request_id: str, params: dict[str, Any], block_ids: Any) -> Re
         str(params["kvpushd_node"]),
         str(params.get("kvpushd_address", "")),
         ranks if isinstance(ranks, int) and 1 <= ranks <= _MAX_RANKS else 1,
+        paired=paired,
     )
 
 
@@ -576,11 +629,22 @@ class _WorkerSide:
     ) -> None:
         self._socket = socket_path
         self._engine_id = engine_id
-        self._fingerprint = fingerprint
+        # The instance's fingerprint; the engine's names the heads this rank holds.
+        self._instance = fingerprint
+        self._fingerprint = rank_fingerprint(fingerprint, rank)
         # This worker's TP rank: the daemon knows its share of a transfer by
         # the rank's own name (statemachine/ranks.py), paired with the same rank.
         self._rank = rank
         self._tp_size = tp_size
+        # Head slices of this rank's blocks, one engine each, for a prefill
+        # with more ranks than this instance: engine id -> (group, fingerprint).
+        # Registered when first needed and again on every new connection.
+        self._slices: dict[str, tuple[GroupSpec, Fingerprint]] = {}
+        self._slices_registered: set[str] = set()  # on the current connection
+        self._slice_lock = asyncio.Lock()
+        # Whether vLLM's tensors are head-major ([blocks, heads, ...]): only
+        # then is a range of heads one contiguous run of every block.
+        self._head_major = False
         sweep_stale_kv_files(Path(SHM_DIR), SHM_PREFIX)
         # The pid in the name tells an operator whose file it is (the sweep
         # goes by the owner's lock, daemon/client/kvfile.py).
@@ -602,7 +666,8 @@ class _WorkerSide:
         )
         # transfer id -> (vLLM request id, generation), and the loads.
         self._sending: dict[str, tuple[str, int]] = {}
-        self._receiving: dict[str, _Loading] = {}
+        # Daemon request (a prefill rank's share) -> the load it is part of.
+        self._receiving: dict[str, _Load] = {}
         self._done_sending: set[str] = set()
         self._done_receiving: set[str] = set()
         self._finished_seen: set[str] = set()
@@ -611,6 +676,11 @@ class _WorkerSide:
         self._posted: set[str] = set()
         # Transfers whose release was asked and not yet answered (loop thread).
         self._releasing: set[str] = set()
+        # Failed loads' releases that got no answer, asked again on a
+        # reconnect to the same daemon (loop thread).
+        self._unreleased: set[str] = set()
+        # Receivers whose registration is not answered yet (loop thread).
+        self._registering: dict[str, asyncio.Event] = {}
         # Transfers whose registration's answer a lost connection took (loop thread).
         self._unsure: dict[str, PushSpec | ReceiveSpec] = {}
         self._block_nbytes = 0
@@ -636,6 +706,8 @@ class _WorkerSide:
                 "get_mem_pool_context(); the daemon cannot map it"
             )
         self._layout = _layout(kv_caches, allocation.buffer, self._path)
+        held = self._fingerprint.kv_head_range[1] - self._fingerprint.kv_head_range[0]
+        self._head_major = all(t.dim() == 4 and t.shape[1] == held for t in kv_caches.values())
         (group,), _ = self._layout
         self._block_nbytes = group.block_bytes * len(group.layers)
         # The file keeps its name while vLLM runs: a restarted daemon maps it
@@ -679,6 +751,15 @@ class _WorkerSide:
         except BaseException:
             await client.close()
             raise
+        # The head slices used before are registered again: a re-asked
+        # receiver goes to the engine it was first registered on.
+        self._slices_registered = set()
+        try:
+            for slice_id in list(self._slices):
+                await self._register_slice(client, slice_id)
+        except BaseException:
+            await client.close()
+            raise
         self._generation += 1
         self._client = client
         log.info("kvpushd: engine %s registered with %s", self._engine_id, self._socket)
@@ -690,6 +771,9 @@ class _WorkerSide:
             for spec in list(self._unsure.values()):
                 self._spawn(self._ask_again(spec, client))
             self._unsure.clear()
+            for transfer_id in self._unreleased:
+                self._spawn(self._release_then_free(transfer_id))
+            self._unreleased.clear()
 
     async def _supervise(self) -> None:
         """Notice the daemon going away at once (not at the next step) and reconnect.
@@ -738,6 +822,7 @@ class _WorkerSide:
         self._posted = set()
         self._releasing = set()
         self._unsure.clear()
+        self._unreleased.clear()
         self._events.put(DaemonLost(generation))
 
     async def _ask_again(self, spec: PushSpec | ReceiveSpec, client: EngineClient) -> None:
@@ -754,6 +839,7 @@ class _WorkerSide:
                     await self._register_pusher(spec, client)
                 await client.kv_ready(transfer_id, timeout=_UNTIL_ANSWERED)
             else:
+                await self._engine_ready(spec.engine_id)
                 await self._register_receiver(spec, self._generation)
         except RpcError as exc:
             if exc.code == Reason.STALE_INCARNATION:
@@ -802,39 +888,146 @@ class _WorkerSide:
             self._sending[push.transfer_id] = (push.request_id, generation)
             self._spawn(self._push(push, generation))
         for receive in metadata.receive:
-            receive = dataclasses.replace(receive, transfer_id=self._ours(receive.transfer_id))
-            if receive.transfer_id in self._receiving:
-                # Another request loads this transfer (the scheduler lets only
-                # one claim it; this guards its bounded memory): this one
-                # registers nothing, so no write can reach its blocks, and its
-                # load ends now as load errors.
-                log.warning(
-                    "kvpushd: %s: transfer %s is already loading for another request",
-                    receive.request_id,
-                    receive.transfer_id,
-                )
-                self._load_errors.update(receive.block_ids)
-                self._done_receiving.add(receive.request_id)
-                continue
-            self._receiving[receive.transfer_id] = _Loading(
-                receive.request_id, receive.block_ids, generation, time.monotonic()
-            )
-            self._spawn(self._receive(receive, generation))
+            self._start_load(receive, generation)
         if metadata.abort:
             self.abort(metadata.abort)
-        if self._rank == 0:
-            # One rank ends every prefill rank's push: the prefill's TP size
-            # may not be this instance's (a fingerprint mismatch), and its
-            # ranks' shares are named by its own size.
-            for forgone in metadata.forgo:
-                for source in range(forgone.source_ranks):
-                    share = share_id(forgone.transfer_id, source, forgone.source_ranks)
-                    forgone_share = dataclasses.replace(forgone, transfer_id=share)
-                    self._spawn(self._forgo(forgone_share, generation))
+        for forgone in metadata.forgo:
+            self._forgo_all(forgone, generation)
 
     def _ours(self, transfer_id: str) -> str:
         """This rank's share of a transfer, as the daemon names it."""
         return share_id(transfer_id, self._rank, self._tp_size)
+
+    def _start_load(self, receive: ReceiveSpec, generation: int) -> None:
+        """Register one receiver per prefill rank that feeds this rank's blocks."""
+        try:
+            sources = self._sources(receive.source_ranks)
+        except UnmappableRanks as exc:
+            # The scheduler pairs only instances whose ranks map; this rank
+            # cannot (its cache is not head-major): nothing is registered, so
+            # no write can reach the blocks, and the load ends as load errors.
+            log.warning("kvpushd: %s: %s", receive.request_id, exc)
+            self._load_errors.update(receive.block_ids)
+            self._done_receiving.add(receive.request_id)
+            return
+        # The negative control's planted mis-mapping: each prefill rank's
+        # receiver on the next rank's head slice (the daemon must refuse it).
+        swap = any(s.slices > 1 for s in sources) and failpoints.corrupts("connector.swap_slices")
+        shares = [self._receiver(receive, source, swap=swap) for source in sources]
+        if any(share.transfer_id in self._receiving for share in shares):
+            # Another request loads this transfer (the scheduler lets only
+            # one claim it; this guards its bounded memory): this one
+            # registers nothing, so no write can reach its blocks, and its
+            # load ends now as load errors.
+            log.warning(
+                "kvpushd: %s: transfer %s is already loading for another request",
+                receive.request_id,
+                receive.transfer_id,
+            )
+            self._load_errors.update(receive.block_ids)
+            self._done_receiving.add(receive.request_id)
+            return
+        load = _Load(
+            receive.request_id,
+            receive.block_ids,
+            generation,
+            time.monotonic(),
+            tuple(share.transfer_id for share in shares),
+        )
+        for share in shares:
+            self._receiving[share.transfer_id] = load
+            self._spawn(self._receive(share, generation))
+        self._forgo_unread(receive, generation)
+
+    def _forgo_all(self, forgone: ReceiveSpec, generation: int) -> None:
+        """End the prefill's pushes of a transfer this instance will not load.
+
+        Paired instances: each rank ends its own sources' pushes with empty
+        receivers on the engines they would have written. Otherwise rank 0
+        ends every prefill rank's push (its shares are named by the
+        prefill's TP size), and the prefill daemon refuses each pairing.
+        """
+        if forgone.paired:
+            try:
+                sources = self._sources(forgone.source_ranks)
+            except UnmappableRanks:
+                pass
+            else:
+                for source in sources:
+                    self._spawn(self._forgo(self._receiver(forgone, source), generation))
+                self._forgo_unread(forgone, generation)
+                return
+        if self._rank == 0:
+            for rank in range(forgone.source_ranks):
+                share = share_id(forgone.transfer_id, rank, forgone.source_ranks)
+                forgone_share = dataclasses.replace(forgone, transfer_id=share, block_ids=())
+                self._spawn(self._forgo(forgone_share, generation))
+
+    def _forgo_unread(self, receive: ReceiveSpec, generation: int) -> None:
+        """End the pushes of prefill replicas nobody reads (TP above the KV heads)."""
+        prefill_tp, heads = receive.source_ranks, self._instance.num_kv_heads
+        for source in forgone_sources(self._rank, self._tp_size, prefill_tp, heads):
+            forgone = dataclasses.replace(receive, block_ids=())
+            self._spawn(self._forgo(self._receiver(forgone, source), generation))
+
+    def _sources(self, prefill_tp: int) -> tuple[HeadSource, ...]:
+        """The prefill ranks this rank loads from (UnmappableRanks: none can feed it)."""
+        sources = head_sources(self._rank, self._tp_size, prefill_tp, self._instance.num_kv_heads)
+        if not self._head_major and any(source.slices > 1 for source in sources):
+            raise UnmappableRanks(
+                "vLLM's KV cache here is not head-major ([blocks, heads, ...]): a prefill "
+                "rank's heads are not one run of each block"
+            )
+        return sources
+
+    def _receiver(
+        self, receive: ReceiveSpec, source: HeadSource, *, swap: bool = False
+    ) -> ReceiveSpec:
+        """The receiver for prefill rank ``source``'s share, on the engine its heads fill."""
+        share = share_id(receive.transfer_id, source.prefill_rank, receive.source_ranks)
+        engine_id = self._engine_id
+        if source.slices > 1:
+            index = (source.slice_index + swap) % source.slices
+            engine_id = self._slice(index, source.slices)
+        return dataclasses.replace(receive, transfer_id=share, engine_id=engine_id)
+
+    def _slice(self, index: int, slices: int) -> str:
+        """The engine of head slice ``index`` of ``slices`` (noted; registered when used)."""
+        first, end = self._fingerprint.kv_head_range
+        width = (end - first) // slices
+        heads = (first + index * width, first + (index + 1) * width)
+        slice_id = f"{self._engine_id}-kvh{heads[0]}-{heads[1]}"
+        if slice_id not in self._slices:
+            assert self._layout is not None
+            (group,), _ = self._layout
+            nbytes = group.block_bytes // slices
+            sliced = GroupSpec(
+                group.kind,
+                group.num_blocks,
+                nbytes,
+                tuple(
+                    LayerSpec(layer.region, layer.offset + index * nbytes) for layer in group.layers
+                ),
+                group.per_logical,
+                block_stride=group.stride,
+            )
+            self._slices[slice_id] = (sliced, slice_fingerprint(self._instance, heads))
+        return slice_id
+
+    async def _engine_ready(self, engine_id: str) -> None:
+        """Make sure ``engine_id`` (this rank's, or a slice of it) is registered now."""
+        if engine_id in ("", self._engine_id) or engine_id in self._slices_registered:
+            return
+        async with self._slice_lock:
+            if engine_id not in self._slices_registered:
+                await self._register_slice(self._need_client(), engine_id)
+
+    async def _register_slice(self, client: EngineClient, slice_id: str) -> None:
+        assert self._layout is not None
+        _, region = self._layout
+        group, slice_print = self._slices[slice_id]
+        await client.register_engine(slice_id, (group,), (region,), fingerprint=slice_print)
+        self._slices_registered.add(slice_id)
 
     async def _push(self, push: PushSpec, generation: int) -> None:
         try:
@@ -851,8 +1044,13 @@ class _WorkerSide:
             self._unsure_of(push, exc)
 
     async def _receive(self, receive: ReceiveSpec, generation: int) -> None:
+        # An abort of this share waits until its registration was answered:
+        # one that overtook it would find nothing, and the blocks would go
+        # back while the registration still lands.
+        answered = self._registering[receive.transfer_id] = asyncio.Event()
         try:
             self._posted.add(receive.transfer_id)
+            await self._engine_ready(receive.engine_id)
             await self._register_receiver(receive, generation)
         except (RpcError, RuntimeError) as exc:
             # Never registered: no write can target these blocks. The load
@@ -861,6 +1059,10 @@ class _WorkerSide:
         except ClientError as exc:
             # The connection ended mid-call: a write may already target them.
             self._unsure_of(receive, exc)
+        finally:
+            answered.set()
+            if self._registering.get(receive.transfer_id) is answered:
+                del self._registering[receive.transfer_id]
 
     async def _forgo(self, receive: ReceiveSpec, generation: int) -> None:
         """Register a receiver with no block for a request vLLM dropped before its load.
@@ -871,6 +1073,7 @@ class _WorkerSide:
         released at once (``_on_daemon_event``).
         """
         with contextlib.suppress(ClientError, RuntimeError):  # the deadline ends it instead
+            await self._engine_ready(receive.engine_id)
             await self._register_receiver(receive, generation)
 
     async def _register_pusher(self, push: PushSpec, client: EngineClient) -> None:
@@ -884,7 +1087,7 @@ class _WorkerSide:
 
     async def _register_receiver(self, receive: ReceiveSpec, generation: int) -> None:
         await self._need_client(generation).register_request(
-            self._engine_id,
+            receive.engine_id or self._engine_id,
             receive.transfer_id,
             Role.RECEIVER,
             [list(receive.block_ids)],
@@ -934,15 +1137,13 @@ class _WorkerSide:
                 if not isinstance(event, GaveUp | rpc.Released):
                     self._spawn(self._release(transfer_id))
             return
-        if transfer_id not in self._receiving:
+        load = self._receiving.get(transfer_id)
+        if load is None:
             return
         if isinstance(event, rpc.KvArrived):
-            # Done is settled: the write is over, the blocks hold the KV.
-            load = self._receiving.pop(transfer_id)
-            self._done_receiving.add(load.request_id)
-            self.stats.loaded(
-                len(load.block_ids) * self._block_nbytes, time.monotonic() - load.posted_at
-            )
+            # Done is settled: the write is over, its slice holds the KV.
+            load.pending.discard(transfer_id)
+            load.holding.discard(transfer_id)
             self._spawn(self._release(transfer_id))
         elif isinstance(event, rpc.RequestFailed):
             # The data will not come, but a write may still be in flight
@@ -950,27 +1151,62 @@ class _WorkerSide:
             # has released the request.
             log.warning("kvpushd: %s failed: %s %s", transfer_id, event.reason, event.message)
             self.stats.ended(_outcome(event, "loaded"))
+            load.pending.discard(transfer_id)
+            self._fail(load)
             self._spawn(self._release_then_free(transfer_id))
         elif isinstance(event, rpc.Released):
             self._events.put(Freed(transfer_id))  # a deferred release was carried out
         elif isinstance(event, GaveUp | Freed):
-            load = self._receiving.pop(transfer_id)
             if isinstance(event, GaveUp):  # a failure was counted when it came
                 self.stats.ended(_outcome(event, "loaded"))
+            load.pending.discard(transfer_id)
+            load.holding.discard(transfer_id)
+            self._fail(load)
+        self._settle(load)
+
+    def _fail(self, load: _Load) -> None:
+        """One share of a load failed: the others are given up too (all or nothing)."""
+        if load.failed:
+            return
+        load.failed = True
+        for share in load.pending:
+            # Its write may still come: the daemon cancels it or quarantines
+            # the blocks, and the release that follows frees them.
+            self._spawn(self._abort(share))
+
+    def _settle(self, load: _Load) -> None:
+        """End the load once every share has landed, or every share is released."""
+        if load.pending or load.holding:
+            return
+        for share in load.shares:
+            self._receiving.pop(share, None)
+        if load.failed:
             # Never silently wrong KV: vLLM fails or recomputes these blocks.
             self._load_errors.update(load.block_ids)
-            self._done_receiving.add(load.request_id)
+        else:
+            self.stats.loaded(
+                len(load.block_ids) * self._block_nbytes, time.monotonic() - load.posted_at
+            )
+        self._done_receiving.add(load.request_id)
 
     async def _release_then_free(self, transfer_id: str) -> None:
         if not self._first_release(transfer_id):
             return  # already asked (an abort, then its failure): its answer frees the blocks
         try:
             reply = await self._need_client().release(transfer_id)
-        except (ClientError, RuntimeError) as exc:
-            # Already released (stale), or no daemon: nothing holds the blocks.
+        except RpcError as exc:
+            # Already released (stale), or unknown: nothing holds the blocks.
             log.warning("kvpushd: release of %s: %s", transfer_id, exc)
             self._releasing.discard(transfer_id)
             self._events.put(Freed(transfer_id))
+            return
+        except (ClientError, RuntimeError) as exc:
+            # No answer (no connection, or it ended mid-call): the daemon may
+            # live and hold the blocks. Asked again when it answers a
+            # reconnect; ended with the rest if it is known gone.
+            log.warning("kvpushd: release of %s: no answer (%s)", transfer_id, exc)
+            self._releasing.discard(transfer_id)
+            self._unreleased.add(transfer_id)
             return
         if isinstance(reply, rpc.Ok):
             self._releasing.discard(transfer_id)
@@ -992,15 +1228,18 @@ class _WorkerSide:
 
     def abort(self, request_ids: list[str]) -> None:
         """vLLM finished these decode requests while their KV was still loading."""
-        for request_id in request_ids:
-            for transfer_id, load in self._receiving.items():
-                if load.request_id == request_id:
-                    self._spawn(self._abort(transfer_id))
-                    break
+        aborted = set(request_ids)
+        for load in {id(load): load for load in self._receiving.values()}.values():
+            if load.request_id in aborted:
+                for share in load.pending:
+                    self._spawn(self._abort(share))
 
     async def _abort(self, transfer_id: str) -> None:
         # The daemon cancels the push (or keeps the blocks until the pusher's
         # final word); the blocks come back through the release.
+        registering = self._registering.get(transfer_id)
+        if registering is not None:
+            await registering.wait()
         with contextlib.suppress(ClientError, RuntimeError):
             await self._need_client().abort(transfer_id)
         await self._release_then_free(transfer_id)
@@ -1014,7 +1253,11 @@ class _WorkerSide:
         Transfers posted under a newer connection are not touched.
         """
         lost = [t for t, (_, g) in self._sending.items() if g <= generation]
-        lost += [t for t, load in self._receiving.items() if load.generation <= generation]
+        lost += [
+            t
+            for t, load in self._receiving.items()
+            if load.generation <= generation and t in load.holding
+        ]
         for transfer_id in lost:
             self._on_event(GaveUp(transfer_id, "daemon_unavailable", "connection lost"))
 

@@ -24,13 +24,17 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any, Final
 
+import msgspec
+
 from schemas.fingerprint import CONNECTOR_PROTOCOL, Fingerprint
+from statemachine.ranks import UnmappableRanks, head_sources, heads_of
 
 # Parallel settings the connector serves only at 1, with the flag that sets
 # each. Tensor parallelism is served (each rank pushes its own KV heads to the
-# decode rank of the same index, and the fingerprint keeps instances of
-# different TP sizes apart); a pipeline stage holds only some layers, and
-# data- and context-parallel ranks are not proven on real vLLM yet.
+# decode rank holding them: rank to rank with equal TP sizes, into head
+# slices when the prefill has a multiple of the decode's ranks); a pipeline
+# stage holds only some layers, and data- and context-parallel ranks are not
+# proven on real vLLM yet.
 SINGLE_RANK_SETTINGS: Final = (
     ("pipeline_parallel_size", "--pipeline-parallel-size"),
     ("data_parallel_size", "--data-parallel-size"),
@@ -108,3 +112,33 @@ def prompt_digest(token_ids: Sequence[int]) -> str:
     the decode side loads the KV only for a prompt with the same digest.
     """
     return hashlib.blake2b(array.array("q", token_ids).tobytes(), digest_size=16).hexdigest()
+
+
+def rank_fingerprint(instance: Fingerprint, rank: int) -> Fingerprint:
+    """The fingerprint TP rank ``rank``'s engine registers with: the KV heads it holds named.
+
+    The prefill daemon pairs two engines that name their heads only on the
+    same heads, so a rank mapped to another rank's heads is refused, never
+    written (statemachine/fingerprint.py).
+    """
+    heads = heads_of(rank, instance.tp_size, instance.num_kv_heads)
+    return msgspec.structs.replace(instance, kv_head_range=heads)
+
+
+def slice_fingerprint(instance: Fingerprint, heads: tuple[int, int]) -> Fingerprint:
+    """The fingerprint of a head slice of a rank's blocks that holds KV heads ``heads``."""
+    return msgspec.structs.replace(instance, kv_head_range=heads)
+
+
+def rank_map_problem(prefill: Fingerprint, decode: Fingerprint) -> str | None:
+    """Why the prefill instance's ranks cannot feed the decode instance's, or None.
+
+    Served: equal TP sizes, and a prefill with a multiple of the decode's
+    ranks (each decode rank's heads from several prefill ranks' whole blocks).
+    """
+    try:
+        for rank in range(decode.tp_size):
+            head_sources(rank, decode.tp_size, prefill.tp_size, decode.num_kv_heads)
+    except UnmappableRanks as exc:
+        return str(exc)
+    return None
