@@ -540,7 +540,11 @@ async def test_two_prefill_ranks_fill_the_two_head_slices_of_one_decode_rank(pai
             await dec.register_request(
                 f"d-{tag}-h{into}", share, Role.RECEIVER, [dst], peer="prefill"
             )
-            await pre.kv_ready(share)
+            try:
+                await pre.kv_ready(share)
+            except RpcError as refused:
+                # The pairing was refused before kv_ready came: the push failed already.
+                assert mis_mapped and refused.code == "illegal_transition", refused
             outcome = await _next(pre, share)
             if mis_mapped:
                 assert isinstance(outcome, rpc.RequestFailed), outcome

@@ -28,7 +28,7 @@ from tests.support.imports import DYNAMIC, ImportGraph, chain_text, is_stdlib, i
 
 PACKAGE = ("daemon", "schemas", "statemachine")
 # The modules vLLM loads as KvpushdConnector: the only ones that import vllm.
-CONNECTOR = ("daemon.client.vllm", "daemon.client.vllm_stats")
+CONNECTOR = ("daemon.client.vllm", "daemon.client.vllm_stats", "daemon.client.vllm_layout")
 
 
 @dataclass(frozen=True)
@@ -80,11 +80,15 @@ RULES = (
     ),
     Rule(
         "vllm-connector",
-        "daemon/client/vllm.py (loaded inside vLLM) imports what the client may, plus vllm,"
-        " torch and the pure core (the fingerprint rule): never the runtime, the data plane"
-        " or nixl",
+        "daemon/client/vllm*.py (loaded inside vLLM) import what the client may, plus vllm,"
+        " torch, the pure core (the fingerprint rule, the rank map) and the failpoints (the"
+        " negative control's planted mis-mapping): never the runtime, the data plane or nixl",
         lambda m: m in CONNECTOR,
-        lambda n: _client_may_use(n) or is_under(n, ("vllm", "torch", "statemachine")),
+        lambda n: (
+            _client_may_use(n)
+            or n == "daemon.failpoints"
+            or is_under(n, ("vllm", "torch", "statemachine"))
+        ),
     ),
     Rule(
         "postmortem-ops",
