@@ -20,7 +20,8 @@ import msgspec
 # The KvpushdConnector's own protocol: bumped when what it puts in
 # kv_transfer_params, or how it reads them, changes incompatibly.
 # 2: instances of different TP sizes pair rank by rank (``kv_head_range``).
-CONNECTOR_PROTOCOL: Final = 2
+# 3: pipeline stages pair by the layers they hold (``layer_range``; ``@pp<s>`` shares).
+CONNECTOR_PROTOCOL: Final = 3
 
 
 class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -31,7 +32,9 @@ class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_
     at different paths on different hosts); ``tp_size`` and ``pp_size`` are
     the parallel layout the KV was split for; ``kv_head_range`` is the KV
     heads [first, end) an engine's blocks hold (one TP rank's share, or a
-    head slice of it; ``(0, 0)``: not said, all of them); ``engine`` names
+    head slice of it; ``(0, 0)``: not said, all of them); ``layer_range``
+    the layers [first, end) its blocks hold (one pipeline stage's, or a
+    layer slice of a decode stage's; ``(0, 0)``: not said); ``engine`` names
     the engine and its version, ``protocol`` the connector's
     (``CONNECTOR_PROTOCOL``).
     """
@@ -51,6 +54,7 @@ class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_
     protocol: int = 0
     # Last, with a default: fingerprints journaled before it decode unchanged.
     kv_head_range: tuple[int, int] = (0, 0)
+    layer_range: tuple[int, int] = (0, 0)
 
     @property
     def names_heads(self) -> bool:

@@ -6,11 +6,13 @@ the journal says which setting an operator must fix. An engine that
 declares no fingerprint pairs only with another that declares none: a
 fingerprinted engine never takes KV whose origin nobody vouched for.
 
-Instances of different TP sizes pair rank by rank: where both engines name
-the KV heads their blocks hold (``kv_head_range``), those heads must be the
-same and ``tp_size`` is not compared (a TP 2 prefill rank's one head fills a
-head slice of a TP 1 decode rank's blocks, statemachine/ranks.py); a pair
-mapped to the wrong heads is refused by the heads it names.
+Instances of different TP or PP sizes pair rank by rank: where both engines
+name the KV heads their blocks hold (``kv_head_range``), those heads and the
+layers they name (``layer_range``) must be the same, and ``tp_size`` and
+``pp_size`` are not compared (a TP 2 prefill rank's one head fills a head
+slice of a TP 1 decode rank's blocks; a prefill stage's layers fill those
+layers of a decode stage's, statemachine/ranks.py); a pair mapped to the
+wrong heads or layers is refused by what it names.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from statemachine.errors import TrimRefused
 
 # Where an engine sits among its instance's ranks, not what its KV is: not
 # compared once both engines name the heads they hold.
-PLACEMENT_FIELDS = frozenset({"tp_size"})
+PLACEMENT_FIELDS = frozenset({"tp_size", "pp_size"})
 
 
 def first_difference(

@@ -1,12 +1,12 @@
-"""How one transfer's tensor-parallel shares are named: one daemon request per rank.
+"""How one transfer's rank shares are named, and which prefill rank feeds which decode rank.
 
-A vLLM instance with TP ranks is one engine per rank, each holding its own
-KV heads; the prefill and decode ranks of the same index hold the same heads
-when both instances have the same TP size (the fingerprint guarantees it).
-Rank ``r``'s share of transfer ``T`` is the daemon request ``T@tp<r>``, so
-the two sides' shares pair by name, every invariant holds per share, and a
-postmortem asked about ``T`` finds every share (:func:`transfer_of`). With
-one rank the share is ``T`` itself.
+A vLLM instance with TP x PP ranks is one engine per rank, each holding the
+KV heads of its TP rank for the layers of its pipeline stage. Prefill rank
+(stage ``s``, TP rank ``r``)'s share of transfer ``T`` is the daemon request
+``T@pp<s>@tp<r>`` (``@pp<s>`` only with more than one stage, ``@tp<r>`` only
+with more than one TP rank), so the two sides' shares pair by name, every
+invariant holds per share, and a postmortem asked about ``T`` finds every
+share (:func:`transfer_of`). With one rank the share is ``T`` itself.
 """
 
 from __future__ import annotations
@@ -15,13 +15,19 @@ import re
 from typing import Final, NamedTuple
 
 SEPARATOR: Final = "@tp"
-# What share_id makes: the transfer, the separator, a rank without leading zeros.
-_SHARE = re.compile(rf"^(?P<transfer>.+){re.escape(SEPARATOR)}(?:0|[1-9][0-9]*)$")
+STAGE_SEPARATOR: Final = "@pp"
+# What share_id makes: the transfer, then a stage, a rank or both, without leading zeros.
+_N = "(?:0|[1-9][0-9]*)"
+_SHARE = re.compile(
+    rf"^(?P<transfer>.+?)(?:{re.escape(STAGE_SEPARATOR)}{_N}(?:{re.escape(SEPARATOR)}{_N})?"
+    rf"|{re.escape(SEPARATOR)}{_N})$"
+)
 
 
-def share_id(transfer_id: str, rank: int, tp_size: int) -> str:
-    """The daemon request id of TP rank ``rank``'s share of ``transfer_id``."""
-    return transfer_id if tp_size == 1 else f"{transfer_id}{SEPARATOR}{rank}"
+def share_id(transfer_id: str, rank: int, tp_size: int, stage: int = 0, pp_size: int = 1) -> str:
+    """The daemon request id of (stage ``stage``, TP rank ``rank``)'s share of ``transfer_id``."""
+    staged = transfer_id if pp_size == 1 else f"{transfer_id}{STAGE_SEPARATOR}{stage}"
+    return staged if tp_size == 1 else f"{staged}{SEPARATOR}{rank}"
 
 
 def transfer_of(request_id: str) -> str:
@@ -141,3 +147,51 @@ def _replicas(tp_size: int, num_kv_heads: int) -> int:
 def _replica(rank: int, tp_size: int, num_kv_heads: int) -> int:
     """Which of its heads' replicas rank ``rank`` is."""
     return rank % _replicas(tp_size, num_kv_heads)
+
+
+# ------------------------------------------------------------ pipeline stages
+#
+# vLLM gives pipeline stage s of ``pp`` the layers of its s-th partition: the
+# layers split evenly, the remainder spread over the stages before the last
+# (vllm/distributed/utils.py get_pp_indices, without VLLM_PP_LAYER_PARTITION;
+# the connector checks its own layers against this and refuses otherwise).
+# A decode stage takes each prefill stage's layers whole, into the layers of
+# its blocks that hold them; a prefill stage whose layers span two decode
+# stages would have to write into both (not served, as a decode with more TP
+# ranks than the prefill).
+
+
+def stage_layers(stage: int, pp_size: int, num_layers: int) -> tuple[int, int]:
+    """The layers [first, end) pipeline stage ``stage`` of ``pp_size`` holds."""
+    if not 0 <= stage < pp_size or num_layers < pp_size:
+        raise UnmappableRanks(f"stage {stage} of {pp_size} with {num_layers} layers")
+    sizes = [num_layers // pp_size] * pp_size
+    for i in range(2, num_layers % pp_size + 2):
+        sizes[-i] += 1
+    first = sum(sizes[:stage])
+    return first, first + sizes[stage]
+
+
+def stage_sources(
+    decode_stage: int, decode_pp: int, prefill_pp: int, num_layers: int
+) -> tuple[int, ...]:
+    """The prefill stages whose layers decode stage ``decode_stage`` holds, in layer order.
+
+    Served: every prefill stage's layers lie inside one decode stage's (equal
+    PP sizes, or a prefill with more stages whose boundaries fall on the
+    decode's). Otherwise UnmappableRanks, saying which stage straddles.
+    """
+    first, end = stage_layers(decode_stage, decode_pp, num_layers)
+    sources: list[int] = []
+    for stage in range(prefill_pp):
+        lo, hi = stage_layers(stage, prefill_pp, num_layers)
+        if hi <= first or end <= lo:
+            continue
+        if not (first <= lo and hi <= end):
+            raise UnmappableRanks(
+                f"prefill stage {stage} of {prefill_pp} holds layers {lo}-{hi - 1}, which "
+                f"span two of the decode's {decode_pp} stages: a prefill stage must write "
+                f"into one decode stage"
+            )
+        sources.append(stage)
+    return tuple(sources)

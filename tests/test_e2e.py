@@ -31,7 +31,7 @@ from schemas.events import Failed, Refused, WriteStarted
 from schemas.fingerprint import Fingerprint
 from schemas.kvlayout import GroupSpec, LayerSpec
 from schemas.layout import GroupKind, Role
-from statemachine.ranks import head_sources, share_id
+from statemachine.ranks import head_sources, share_id, stage_layers, stage_sources
 
 LAYOUT = [
     SimGroup(num_blocks=640, block_bytes=4096, layers=2),
@@ -565,6 +565,96 @@ async def test_two_prefill_ranks_fill_the_two_head_slices_of_one_decode_rank(pai
                 assert (blocks[d, rank] == sent[s]).all(), (rank, s, d)
         untouched = [b for b in range(nblocks) if b not in dst]
         assert (blocks[untouched] == 0x5A).all()
+    finally:
+        for client in clients:
+            await client.close()
+        for path in paths:
+            os.unlink(path)
+
+
+@pytest.mark.parametrize("mis_mapped", [False, True], ids=["mapped", "mis-mapped"])
+async def test_two_prefill_stages_fill_the_layers_of_one_decode_stage(pair, mis_mapped):
+    """P PP 2 -> D PP 1 at the daemon level, through real daemons and NIXL writes.
+
+    Each prefill stage's engine holds one layer; the decode's engine holds
+    both, and it registers one layer-slice engine per prefill stage (the
+    group's layers cut to that stage's, statemachine/ranks.stage_sources).
+    Every engine's fingerprint names the layers it holds. Each decode layer
+    must end as its stage's blocks, the blocks not written untouched.
+    Mis-mapped (each stage's share on the other stage's layer), the prefill
+    daemon refuses both pairings by the layers they name, and not one
+    decode byte changes.
+    """
+    prefill, decode = pair
+    tag, nblocks, nbytes = _uid(), 16, 4096
+    paths: list[str] = []
+    model = Fingerprint("/models/tiny", num_layers=2, pp_size=2, protocol=3, kv_head_range=(0, 2))
+
+    def shm(name: str, size: int):
+        spec = create_shm_file(f"/dev/shm/kvpushd-test-{name}-{tag}", size)
+        paths.append(spec.path)
+        return spec, np.memmap(spec.path, dtype=np.uint8, mode="r+")
+
+    layer_span = nblocks * nbytes
+    d_region, d_bytes = shm("dec", 2 * layer_span)
+    d_bytes[:] = 0x5A
+    clients: list[EngineClient] = []
+    try:
+        dec = await EngineClient.connect(decode.socket)
+        clients.append(dec)
+        for stage in stage_sources(0, 1, 2, 2):
+            layer = GroupSpec(
+                GroupKind.ATTENTION,
+                nblocks,
+                nbytes,
+                (LayerSpec(d_region.name, stage * layer_span),),
+            )
+            layer_print = msgspec.structs.replace(
+                model, pp_size=1, layer_range=stage_layers(stage, 2, 2)
+            )
+            await dec.register_engine(
+                f"d-{tag}-L{stage}", (layer,), (d_region,), fingerprint=layer_print
+            )
+        src, dst = [3, 4, 5], [9, 2, 12]
+        for stage in range(2):
+            p_region, p_bytes = shm(f"p{stage}", layer_span)
+            p_bytes[:] = np.arange(layer_span, dtype=np.uint32).astype(np.uint8) ^ (stage + 7)
+            pre = await EngineClient.connect(prefill.socket)
+            clients.append(pre)
+            group = GroupSpec(GroupKind.ATTENTION, nblocks, nbytes, (LayerSpec(p_region.name),))
+            stage_print = msgspec.structs.replace(model, layer_range=stage_layers(stage, 2, 2))
+            engine = f"p-{tag}-pp{stage}"
+            await pre.register_engine(engine, (group,), (p_region,), fingerprint=stage_print)
+            share = share_id(f"x-{tag}", 0, 1, stage, 2)
+            await pre.register_request(engine, share, Role.PUSHER, [src])
+            into = 1 - stage if mis_mapped else stage
+            await dec.register_request(
+                f"d-{tag}-L{into}", share, Role.RECEIVER, [dst], peer="prefill"
+            )
+            try:
+                await pre.kv_ready(share)
+            except RpcError as refused:
+                # The pairing was refused before kv_ready came: the push failed already.
+                assert mis_mapped and refused.code == "illegal_transition", refused
+            outcome = await _next(pre, share)
+            if mis_mapped:
+                assert isinstance(outcome, rpc.RequestFailed), outcome
+                assert "field 'layer_range' differs" in outcome.message, outcome.message
+            else:
+                assert isinstance(outcome, rpc.BlocksFreeable), outcome
+        arrived = {(await dec.next_event(timeout=20)) for _ in range(2)}
+        expected = rpc.RequestFailed if mis_mapped else rpc.KvArrived
+        assert {type(e) for e in arrived} == {expected}, arrived
+        layers = np.asarray(d_bytes).reshape(2, nblocks, nbytes)
+        if mis_mapped:
+            assert (layers == 0x5A).all()
+            return
+        for stage in range(2):
+            sent = np.memmap(paths[1 + stage], dtype=np.uint8, mode="r").reshape(nblocks, nbytes)
+            for s, d in zip(src, dst, strict=True):
+                assert (layers[stage, d] == sent[s]).all(), (stage, s, d)
+        untouched = [b for b in range(nblocks) if b not in dst]
+        assert (layers[:, untouched] == 0x5A).all()
     finally:
         for client in clients:
             await client.close()

@@ -66,6 +66,7 @@ def test_equal_fingerprints_pair_and_so_do_two_undeclared_ones() -> None:
         ("engine", "vllm 0.33.0"),
         ("protocol", 3),
         ("kv_head_range", (0, 1)),
+        ("layer_range", (0, 1)),
     ],
 )
 def test_any_differing_field_is_refused_by_name(field: str, value: object) -> None:
@@ -86,7 +87,8 @@ def test_every_fingerprint_field_is_named_by_the_parametrized_test() -> None:
     # A field added to Fingerprint must be compared (and tested) like the others.
     named = {"model", "revision", "dtype", "kv_cache_dtype", "block_size", "num_layers"}
     named |= {"num_kv_heads", "head_size", "kv_layout", "tp_size", "pp_size", "engine"}
-    assert set(Fingerprint.__struct_fields__) == named | {"protocol", "kv_head_range"}
+    named |= {"protocol", "kv_head_range", "layer_range"}
+    assert set(Fingerprint.__struct_fields__) == named
 
 
 def test_engines_naming_their_heads_pair_across_tp_sizes_only_on_the_same_heads() -> None:
@@ -101,6 +103,15 @@ def test_engines_naming_their_heads_pair_across_tp_sizes_only_on_the_same_heads(
     # Only one side naming its heads: TP sizes are compared as before.
     unnamed = msgspec.structs.replace(TINY, tp_size=1)
     assert first_difference(prefill, unnamed) == ("tp_size", 2, 1)
+    # Stages pair on the layers they name, whatever the PP sizes.
+    stage = msgspec.structs.replace(prefill, pp_size=2, layer_range=(1, 2))
+    layers = msgspec.structs.replace(decode_slice, layer_range=(1, 2))
+    assert first_difference(stage, layers) is None
+    assert first_difference(stage, msgspec.structs.replace(layers, layer_range=(0, 1))) == (
+        "layer_range",
+        (1, 2),
+        (0, 1),
+    )
     # A scheduler asking whether two instances can pair at all leaves TP aside.
     assert first_difference(prefill, unnamed, ignore={"tp_size", "kv_head_range"}) is None
 

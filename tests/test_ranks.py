@@ -23,6 +23,10 @@ def test_one_rank_is_the_transfer_itself_and_more_ranks_are_named_by_rank() -> N
         ("cmpl-1@tp", "cmpl-1@tp"),
         ("cmpl-1@tp01", "cmpl-1@tp01"),  # not a name share_id makes
         ("@tp0", "@tp0"),
+        ("cmpl-1@pp1@tp0", "cmpl-1"),
+        ("cmpl-1@pp0", "cmpl-1"),
+        ("cmpl-1@tp0@pp1", "cmpl-1@tp0"),  # a transfer named "cmpl-1@tp0", its stage 1
+        ("cmpl-1@pp01@tp0", "cmpl-1@pp01"),
     ],
 )
 def test_a_share_names_its_transfer(request_id: str, transfer: str) -> None:
@@ -30,9 +34,21 @@ def test_a_share_names_its_transfer(request_id: str, transfer: str) -> None:
 
 
 def test_share_and_transfer_round_trip() -> None:
-    for tp_size in (1, 2, 4, 8):
-        for rank in range(tp_size):
-            assert transfer_of(share_id("xfer-9", rank, tp_size)) == "xfer-9"
+    for pp_size in (1, 2, 4):
+        for tp_size in (1, 2, 4, 8):
+            names = {
+                share_id("xfer-9", rank, tp_size, stage, pp_size)
+                for stage in range(pp_size)
+                for rank in range(tp_size)
+            }
+            assert len(names) == pp_size * tp_size  # every rank its own name
+            assert {transfer_of(name) for name in names} == {"xfer-9"}
+
+
+def test_stages_are_named_before_ranks_and_only_with_more_than_one() -> None:
+    assert share_id("T", 1, 2, 1, 2) == "T@pp1@tp1"
+    assert share_id("T", 0, 1, 1, 2) == "T@pp1"
+    assert share_id("T", 1, 2, 0, 1) == "T@tp1"
 
 
 def test_an_exact_request_filter_finds_every_ranks_share_and_nothing_else() -> None:
@@ -125,3 +141,46 @@ def test_a_decode_with_more_ranks_than_the_prefill_is_refused_with_why() -> None
         head_sources(0, 2, 1, 2)
     with pytest.raises(UnmappableRanks):
         head_sources(0, 2, 3, 2)
+
+
+# ---------------------------------------------------------- pipeline stages
+
+from statemachine.ranks import stage_layers, stage_sources  # noqa: E402
+
+
+def test_stages_split_layers_as_vllm_does_the_remainder_before_the_last_stage() -> None:
+    # vllm/distributed/utils.py get_pp_indices: 7 layers over 3 stages are [2, 3, 2].
+    assert [stage_layers(s, 3, 7) for s in range(3)] == [(0, 2), (2, 5), (5, 7)]
+    assert [stage_layers(s, 2, 2) for s in range(2)] == [(0, 1), (1, 2)]
+    assert [stage_layers(s, 4, 10) for s in range(4)] == [(0, 2), (2, 5), (5, 8), (8, 10)]
+    with pytest.raises(UnmappableRanks):
+        stage_layers(0, 3, 2)
+
+
+@pytest.mark.parametrize("layers", [2, 4, 7, 8, 12, 32])
+@pytest.mark.parametrize(("p_pp", "d_pp"), [(1, 1), (2, 2), (2, 1), (4, 1), (4, 2), (3, 3)])
+def test_every_layer_of_every_decode_stage_has_exactly_one_prefill_stage(
+    layers: int, p_pp: int, d_pp: int
+) -> None:
+    if layers < p_pp:
+        return
+    try:
+        plan = {d: stage_sources(d, d_pp, p_pp, layers) for d in range(d_pp)}
+    except UnmappableRanks:
+        # Only where a prefill stage's layers straddle two decode stages.
+        bounds = {stage_layers(d, d_pp, layers)[0] for d in range(d_pp)}
+        cuts = {stage_layers(s, p_pp, layers)[0] for s in range(p_pp)}
+        assert not bounds <= cuts
+        return
+    seen: list[int] = []
+    for d, sources in plan.items():
+        first, end = stage_layers(d, d_pp, layers)
+        covered = [layer for s in sources for layer in range(*stage_layers(s, p_pp, layers))]
+        assert covered == list(range(first, end)), (d, sources)
+        seen.extend(sources)
+    assert sorted(seen) == list(range(p_pp))  # each prefill stage writes once
+
+
+def test_a_prefill_stage_spanning_two_decode_stages_is_refused_with_why() -> None:
+    with pytest.raises(UnmappableRanks, match="span two of the decode's 2 stages"):
+        stage_sources(0, 2, 1, 2)

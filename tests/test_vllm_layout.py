@@ -53,20 +53,35 @@ def test_more_than_one_kv_cache_group_is_refused() -> None:
 
 # ------------------------------------------------------------- rank pairing
 
-INSTANCE = Fingerprint("/models/tiny", num_kv_heads=2, tp_size=2, protocol=CONNECTOR_PROTOCOL)
+INSTANCE = Fingerprint(
+    "/models/tiny", num_layers=2, num_kv_heads=2, tp_size=2, protocol=CONNECTOR_PROTOCOL
+)
 
 
 def test_each_rank_names_the_heads_it_holds_and_a_slice_names_its_own() -> None:
     assert [rank_fingerprint(INSTANCE, r).kv_head_range for r in (0, 1)] == [(0, 1), (1, 2)]
     single = msgspec.structs.replace(INSTANCE, tp_size=1)
     assert rank_fingerprint(single, 0).kv_head_range == (0, 2)
-    assert slice_fingerprint(single, (1, 2)).kv_head_range == (1, 2)
+    assert rank_fingerprint(single, 0).layer_range == (0, 2)
+    assert slice_fingerprint(single, (1, 2), (0, 2)).kv_head_range == (1, 2)
     # A TP 2 prefill rank pairs with the TP 1 decode's slice of its heads, not the other.
-    assert (
-        first_difference(rank_fingerprint(INSTANCE, 1), slice_fingerprint(single, (1, 2))) is None
-    )
-    assert first_difference(rank_fingerprint(INSTANCE, 1), slice_fingerprint(single, (0, 1))) == (
+    rank1 = rank_fingerprint(INSTANCE, 1)
+    assert first_difference(rank1, slice_fingerprint(single, (1, 2), (0, 2))) is None
+    assert first_difference(rank1, slice_fingerprint(single, (0, 1), (0, 2))) == (
         "kv_head_range",
+        (1, 2),
+        (0, 1),
+    )
+
+
+def test_each_stage_names_its_layers_and_pairs_only_with_a_slice_of_those_layers() -> None:
+    staged = msgspec.structs.replace(INSTANCE, tp_size=1, pp_size=2)
+    assert [rank_fingerprint(staged, 0, s).layer_range for s in (0, 1)] == [(0, 1), (1, 2)]
+    one_stage = msgspec.structs.replace(staged, pp_size=1)
+    stage1 = rank_fingerprint(staged, 0, 1)
+    assert first_difference(stage1, slice_fingerprint(one_stage, (0, 2), (1, 2))) is None
+    assert first_difference(stage1, slice_fingerprint(one_stage, (0, 2), (0, 1))) == (
+        "layer_range",
         (1, 2),
         (0, 1),
     )
@@ -81,3 +96,11 @@ def test_instances_pair_when_the_prefill_has_a_multiple_of_the_decodes_ranks() -
     assert rank_map_problem(tp(4), tp(2)) is None  # TP 4 replicates the 2 heads
     problem = rank_map_problem(tp(1), tp(2))
     assert problem is not None and "TP 1 cannot feed a decode with TP 2" in problem
+
+    def pp(size: int) -> Fingerprint:
+        return msgspec.structs.replace(INSTANCE, pp_size=size)
+
+    assert rank_map_problem(pp(2), pp(2)) is None
+    assert rank_map_problem(pp(2), pp(1)) is None
+    problem = rank_map_problem(pp(1), pp(2))
+    assert problem is not None and "span two of the decode's 2 stages" in problem

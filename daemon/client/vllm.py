@@ -47,8 +47,9 @@ thread, and events come back through a queue drained once per step.
   its heads (a slice engine over the same memory), and the decode rank's
   load ends only when every one has landed (any failure fails the load
   once all are released). A decode with more ranks than the prefill
-  computes the prompt. PP, DP and context parallel are refused when vLLM
-  builds the connector (``check_supported``).
+  computes the prompt. Pipeline stages pair the same way by their layers
+  (``T@pp<s>`` shares, layer-slice engines). DP and context parallel are
+  refused when vLLM builds the connector (``check_supported``).
 - No daemon yet: vLLM starts anyway and serves without remote KV (its
   pushes and loads end at once) until the daemon is up, then registers.
 - Memory: ``get_mem_pool_context`` makes vLLM's one KV buffer a /dev/shm file
@@ -86,7 +87,7 @@ import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 import torch
@@ -125,6 +126,8 @@ from statemachine.ranks import (
     forgone_sources,
     head_sources,
     share_id,
+    stage_layers,
+    stage_sources,
 )
 
 if TYPE_CHECKING:
@@ -155,7 +158,7 @@ _MAX_RANKS = 256
 # What two instances' fingerprints may differ in and still pair: where each
 # rank sits (the rank map pairs their heads, and each engine's own
 # fingerprint names its heads for the daemon to check).
-_ACROSS_RANKS = ("tp_size", "kv_head_range")
+_ACROSS_RANKS = ("tp_size", "pp_size", "kv_head_range", "layer_range")
 # How a prefill request must have ended for its KV to be pushed: its prompt
 # was computed (it stopped, or hit its length). An abort pushes nothing.
 _COMPUTED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED})
@@ -190,6 +193,14 @@ class ReceiveSpec:
     source_ranks: int = 1
     paired: bool = True
     engine_id: str = ""
+    source_stages: int = 1  # the prefill's pipeline stages, as source_ranks
+
+
+class _Source(NamedTuple):
+    """A prefill rank a decode rank loads from: its stage, and its heads' slice."""
+
+    stage: int
+    heads: HeadSource
 
 
 @dataclass
@@ -279,12 +290,16 @@ class KvpushdConnector(KVConnectorBase_V1):
                 raise ValueError("KvpushdConnector needs kv_connector_extra_config.socket")
             tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
             rank = _tp_rank() if tp_size > 1 else 0
+            pp_size = int(vllm_config.parallel_config.pipeline_parallel_size)
+            stage = _pp_rank() if pp_size > 1 else 0
             # One engine per rank: each rank's worker holds its own share of the heads.
             engine_id = str(extra.get("engine_id") or f"vllm-{self._node or 'node'}-{os.getpid()}")
+            if pp_size > 1:
+                engine_id += f"-pp{stage}"
             if tp_size > 1:
                 engine_id += f"-tp{rank}"
             self._worker = _WorkerSide(
-                str(socket_path), engine_id, self._fingerprint, rank, tp_size
+                str(socket_path), engine_id, self._fingerprint, rank, tp_size, stage, pp_size
             )
 
     # ------------------------------------------------------------- scheduler
@@ -568,15 +583,17 @@ def _receive_spec(
     request_id: str, params: dict[str, Any], block_ids: Any, *, paired: bool = True
 ) -> ReceiveSpec:
     sent = params.get("kvpushd_fingerprint")
-    ranks = sent.get("tp_size", 1) if isinstance(sent, dict) else 1
+    sizes = [sent.get(key, 1) if isinstance(sent, dict) else 1 for key in ("tp_size", "pp_size")]
+    ranks, stages = (n if isinstance(n, int) and 1 <= n <= _MAX_RANKS else 1 for n in sizes)
     return ReceiveSpec(
         request_id,
         str(params["kvpushd_transfer_id"]),
         tuple(block_ids),
         str(params["kvpushd_node"]),
         str(params.get("kvpushd_address", "")),
-        ranks if isinstance(ranks, int) and 1 <= ranks <= _MAX_RANKS else 1,
+        ranks,
         paired=paired,
+        source_stages=stages,
     )
 
 
@@ -584,6 +601,22 @@ def _tp_rank() -> int:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     return int(get_tensor_model_parallel_rank())
+
+
+def _pp_rank() -> int:
+    from vllm.distributed.parallel_state import get_pp_group
+
+    return int(get_pp_group().rank_in_group)
+
+
+def _layer_indices(names: Any) -> list[int] | None:
+    """The model's layer index of each KV cache layer name, or None if a name has none."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    try:
+        return [int(extract_layer_index(name)) for name in names]
+    except (AssertionError, ValueError):
+        return None
 
 
 # ------------------------------------------------------------------- worker
@@ -626,12 +659,19 @@ class _WorkerSide:
         fingerprint: Fingerprint,
         rank: int = 0,
         tp_size: int = 1,
+        stage: int = 0,
+        pp_size: int = 1,
     ) -> None:
         self._socket = socket_path
         self._engine_id = engine_id
-        # The instance's fingerprint; the engine's names the heads this rank holds.
+        # The instance's fingerprint; the engine's names the heads and layers this rank holds.
         self._instance = fingerprint
-        self._fingerprint = rank_fingerprint(fingerprint, rank)
+        self._fingerprint = rank_fingerprint(fingerprint, rank, stage)
+        self._stage = stage
+        self._pp_size = pp_size
+        # The model layer index of each layer of the registered group, in order
+        # (None: vLLM's layer names carry none, and no layer slice is possible).
+        self._layer_ids: list[int] | None = None
         # This worker's TP rank: the daemon knows its share of a transfer by
         # the rank's own name (statemachine/ranks.py), paired with the same rank.
         self._rank = rank
@@ -704,6 +744,20 @@ class _WorkerSide:
             raise RuntimeError(
                 "KvpushdConnector: vLLM did not allocate its KV cache through "
                 "get_mem_pool_context(); the daemon cannot map it"
+            )
+        self._layer_ids = _layer_indices(kv_caches)
+        if self._layer_ids is not None:
+            # In model order, so a stage's layers are one run of the group's.
+            order = sorted(range(len(self._layer_ids)), key=self._layer_ids.__getitem__)
+            names = list(kv_caches)
+            kv_caches = {names[i]: kv_caches[names[i]] for i in order}
+            self._layer_ids = sorted(self._layer_ids)
+        if self._pp_size > 1 and self._layer_ids != list(range(*self._fingerprint.layer_range)):
+            raise RuntimeError(
+                f"KvpushdConnector: pipeline stage {self._stage} holds layers "
+                f"{self._layer_ids}, not {self._fingerprint.layer_range} as vLLM's even split "
+                "gives (VLLM_PP_LAYER_PARTITION is not supported): the other side could not "
+                "tell which layers this stage's KV is of"
             )
         self._layout = _layout(kv_caches, allocation.buffer, self._path)
         held = self._fingerprint.kv_head_range[1] - self._fingerprint.kv_head_range[0]
@@ -896,23 +950,25 @@ class _WorkerSide:
 
     def _ours(self, transfer_id: str) -> str:
         """This rank's share of a transfer, as the daemon names it."""
-        return share_id(transfer_id, self._rank, self._tp_size)
+        return share_id(transfer_id, self._rank, self._tp_size, self._stage, self._pp_size)
 
     def _start_load(self, receive: ReceiveSpec, generation: int) -> None:
         """Register one receiver per prefill rank that feeds this rank's blocks."""
         try:
-            sources = self._sources(receive.source_ranks)
+            sources = self._sources(receive)
         except UnmappableRanks as exc:
             # The scheduler pairs only instances whose ranks map; this rank
-            # cannot (its cache is not head-major): nothing is registered, so
-            # no write can reach the blocks, and the load ends as load errors.
+            # cannot (its cache is not head-major, or its layers carry no
+            # index): nothing is registered, so no write can reach the
+            # blocks, and the load ends as load errors.
             log.warning("kvpushd: %s: %s", receive.request_id, exc)
             self._load_errors.update(receive.block_ids)
             self._done_receiving.add(receive.request_id)
             return
         # The negative control's planted mis-mapping: each prefill rank's
         # receiver on the next rank's head slice (the daemon must refuse it).
-        swap = any(s.slices > 1 for s in sources) and failpoints.corrupts("connector.swap_slices")
+        sliced = any(source.heads.slices > 1 for source in sources)
+        swap = sliced and failpoints.corrupts("connector.swap_slices")
         shares = [self._receiver(receive, source, swap=swap) for source in sources]
         if any(share.transfer_id in self._receiving for share in shares):
             # Another request loads this transfer (the scheduler lets only
@@ -943,13 +999,14 @@ class _WorkerSide:
         """End the prefill's pushes of a transfer this instance will not load.
 
         Paired instances: each rank ends its own sources' pushes with empty
-        receivers on the engines they would have written. Otherwise rank 0
-        ends every prefill rank's push (its shares are named by the
-        prefill's TP size), and the prefill daemon refuses each pairing.
+        receivers on the engines they would have written. Otherwise the
+        first rank of the first stage ends every prefill rank's push (its
+        shares are named by the prefill's sizes), and the prefill daemon
+        refuses each pairing.
         """
         if forgone.paired:
             try:
-                sources = self._sources(forgone.source_ranks)
+                sources = self._sources(forgone)
             except UnmappableRanks:
                 pass
             else:
@@ -957,61 +1014,102 @@ class _WorkerSide:
                     self._spawn(self._forgo(self._receiver(forgone, source), generation))
                 self._forgo_unread(forgone, generation)
                 return
-        if self._rank == 0:
-            for rank in range(forgone.source_ranks):
-                share = share_id(forgone.transfer_id, rank, forgone.source_ranks)
-                forgone_share = dataclasses.replace(forgone, transfer_id=share, block_ids=())
-                self._spawn(self._forgo(forgone_share, generation))
+        if self._rank == 0 and self._stage == 0:
+            for stage in range(forgone.source_stages):
+                for rank in range(forgone.source_ranks):
+                    share = share_id(
+                        forgone.transfer_id,
+                        rank,
+                        forgone.source_ranks,
+                        stage,
+                        forgone.source_stages,
+                    )
+                    forgone_share = dataclasses.replace(forgone, transfer_id=share, block_ids=())
+                    self._spawn(self._forgo(forgone_share, generation))
 
     def _forgo_unread(self, receive: ReceiveSpec, generation: int) -> None:
         """End the pushes of prefill replicas nobody reads (TP above the KV heads)."""
         prefill_tp, heads = receive.source_ranks, self._instance.num_kv_heads
-        for source in forgone_sources(self._rank, self._tp_size, prefill_tp, heads):
-            forgone = dataclasses.replace(receive, block_ids=())
-            self._spawn(self._forgo(self._receiver(forgone, source), generation))
+        unread = forgone_sources(self._rank, self._tp_size, prefill_tp, heads)
+        if not unread:
+            return
+        forgone = dataclasses.replace(receive, block_ids=())
+        for stage in self._stages(receive):
+            for source in unread:
+                self._spawn(
+                    self._forgo(self._receiver(forgone, _Source(stage, source)), generation)
+                )
 
-    def _sources(self, prefill_tp: int) -> tuple[HeadSource, ...]:
+    def _stages(self, receive: ReceiveSpec) -> tuple[int, ...]:
+        """The prefill stages whose layers this rank's stage holds."""
+        return stage_sources(
+            self._stage, self._pp_size, receive.source_stages, self._instance.num_layers
+        )
+
+    def _sources(self, receive: ReceiveSpec) -> list[_Source]:
         """The prefill ranks this rank loads from (UnmappableRanks: none can feed it)."""
-        sources = head_sources(self._rank, self._tp_size, prefill_tp, self._instance.num_kv_heads)
-        if not self._head_major and any(source.slices > 1 for source in sources):
+        heads = head_sources(
+            self._rank, self._tp_size, receive.source_ranks, self._instance.num_kv_heads
+        )
+        if not self._head_major and any(source.slices > 1 for source in heads):
             raise UnmappableRanks(
                 "vLLM's KV cache here is not head-major ([blocks, heads, ...]): a prefill "
                 "rank's heads are not one run of each block"
             )
-        return sources
+        stages = self._stages(receive)
+        if stages != (self._stage,) and self._layer_ids is None:
+            raise UnmappableRanks("vLLM's KV cache layer names carry no layer index")
+        return [_Source(stage, source) for stage in stages for source in heads]
 
     def _receiver(
-        self, receive: ReceiveSpec, source: HeadSource, *, swap: bool = False
+        self, receive: ReceiveSpec, source: _Source, *, swap: bool = False
     ) -> ReceiveSpec:
-        """The receiver for prefill rank ``source``'s share, on the engine its heads fill."""
-        share = share_id(receive.transfer_id, source.prefill_rank, receive.source_ranks)
+        """The receiver for a prefill rank's share, on the engine its heads and layers fill."""
+        heads = source.heads
+        share = share_id(
+            receive.transfer_id,
+            heads.prefill_rank,
+            receive.source_ranks,
+            source.stage,
+            receive.source_stages,
+        )
+        layers = stage_layers(source.stage, receive.source_stages, self._instance.num_layers)
         engine_id = self._engine_id
-        if source.slices > 1:
-            index = (source.slice_index + swap) % source.slices
-            engine_id = self._slice(index, source.slices)
+        if heads.slices > 1 or layers != self._fingerprint.layer_range:
+            index = (heads.slice_index + swap) % heads.slices
+            engine_id = self._slice(layers, index, heads.slices)
         return dataclasses.replace(receive, transfer_id=share, engine_id=engine_id)
 
-    def _slice(self, index: int, slices: int) -> str:
-        """The engine of head slice ``index`` of ``slices`` (noted; registered when used)."""
+    def _slice(self, layers: tuple[int, int], index: int, slices: int) -> str:
+        """The engine of head slice ``index`` of ``slices`` of ``layers`` (registered when used)."""
         first, end = self._fingerprint.kv_head_range
         width = (end - first) // slices
         heads = (first + index * width, first + (index + 1) * width)
-        slice_id = f"{self._engine_id}-kvh{heads[0]}-{heads[1]}"
+        slice_id = self._engine_id
+        if layers != self._fingerprint.layer_range:
+            slice_id += f"-L{layers[0]}-{layers[1]}"
+        if slices > 1:
+            slice_id += f"-kvh{heads[0]}-{heads[1]}"
         if slice_id not in self._slices:
             assert self._layout is not None
             (group,), _ = self._layout
             nbytes = group.block_bytes // slices
+            held = group.layers
+            if layers != self._fingerprint.layer_range:
+                assert self._layer_ids is not None  # _sources checked
+                held = held[
+                    self._layer_ids.index(layers[0]) : self._layer_ids.index(layers[1] - 1) + 1
+                ]
             sliced = GroupSpec(
                 group.kind,
                 group.num_blocks,
                 nbytes,
-                tuple(
-                    LayerSpec(layer.region, layer.offset + index * nbytes) for layer in group.layers
-                ),
+                tuple(LayerSpec(layer.region, layer.offset + index * nbytes) for layer in held),
                 group.per_logical,
                 block_stride=group.stride,
             )
-            self._slices[slice_id] = (sliced, slice_fingerprint(self._instance, heads))
+            slice_print = slice_fingerprint(self._instance, heads, layers)
+            self._slices[slice_id] = (sliced, slice_print)
         return slice_id
 
     async def _engine_ready(self, engine_id: str) -> None:

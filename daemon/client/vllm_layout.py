@@ -27,16 +27,15 @@ from typing import Any, Final
 import msgspec
 
 from schemas.fingerprint import CONNECTOR_PROTOCOL, Fingerprint
-from statemachine.ranks import UnmappableRanks, head_sources, heads_of
+from statemachine.ranks import UnmappableRanks, head_sources, heads_of, stage_layers, stage_sources
 
 # Parallel settings the connector serves only at 1, with the flag that sets
-# each. Tensor parallelism is served (each rank pushes its own KV heads to the
-# decode rank holding them: rank to rank with equal TP sizes, into head
-# slices when the prefill has a multiple of the decode's ranks); a pipeline
-# stage holds only some layers, and data- and context-parallel ranks are not
-# proven on real vLLM yet.
+# each. Tensor and pipeline parallelism are served (each rank pushes its own
+# KV heads of its stage's layers to the decode rank holding them: rank to
+# rank with equal sizes, into head or layer slices when the prefill has a
+# multiple of the decode's ranks or stages); data- and context-parallel
+# ranks are not proven on real vLLM yet.
 SINGLE_RANK_SETTINGS: Final = (
-    ("pipeline_parallel_size", "--pipeline-parallel-size"),
     ("data_parallel_size", "--data-parallel-size"),
     ("decode_context_parallel_size", "--decode-context-parallel-size"),
     ("prefill_context_parallel_size", "--prefill-context-parallel-size"),
@@ -59,9 +58,9 @@ def check_supported(vllm_config: Any, kv_cache_config: Any = None) -> None:
         if value != 1:
             raise UnsupportedLayout(
                 f"KvpushdConnector: {setting} = {value} ({flag} {value}) is not supported: "
-                f"this connector pairs tensor-parallel ranks only (PP, DP and context "
-                f"parallel sizes of 1); start this instance with {flag} 1, or use another KV "
-                f"connector for it"
+                f"this connector pairs tensor- and pipeline-parallel ranks only (DP and "
+                f"context parallel sizes of 1); start this instance with {flag} 1, or use "
+                f"another KV connector for it"
             )
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
     if groups is not None and len(groups) > 1:
@@ -114,31 +113,39 @@ def prompt_digest(token_ids: Sequence[int]) -> str:
     return hashlib.blake2b(array.array("q", token_ids).tobytes(), digest_size=16).hexdigest()
 
 
-def rank_fingerprint(instance: Fingerprint, rank: int) -> Fingerprint:
-    """The fingerprint TP rank ``rank``'s engine registers with: the KV heads it holds named.
+def rank_fingerprint(instance: Fingerprint, rank: int, stage: int = 0) -> Fingerprint:
+    """The fingerprint (stage ``stage``, TP rank ``rank``)'s engine registers with.
 
-    The prefill daemon pairs two engines that name their heads only on the
-    same heads, so a rank mapped to another rank's heads is refused, never
+    It names the KV heads and the layers the engine holds. The prefill daemon
+    pairs two engines that name them only on the same heads and layers, so a
+    rank mapped to another rank's heads or stage's layers is refused, never
     written (statemachine/fingerprint.py).
     """
     heads = heads_of(rank, instance.tp_size, instance.num_kv_heads)
-    return msgspec.structs.replace(instance, kv_head_range=heads)
+    layers = stage_layers(stage, instance.pp_size, instance.num_layers)
+    return msgspec.structs.replace(instance, kv_head_range=heads, layer_range=layers)
 
 
-def slice_fingerprint(instance: Fingerprint, heads: tuple[int, int]) -> Fingerprint:
-    """The fingerprint of a head slice of a rank's blocks that holds KV heads ``heads``."""
-    return msgspec.structs.replace(instance, kv_head_range=heads)
+def slice_fingerprint(
+    instance: Fingerprint, heads: tuple[int, int], layers: tuple[int, int]
+) -> Fingerprint:
+    """The fingerprint of a slice of a rank's blocks: KV heads ``heads`` of layers ``layers``."""
+    return msgspec.structs.replace(instance, kv_head_range=heads, layer_range=layers)
 
 
 def rank_map_problem(prefill: Fingerprint, decode: Fingerprint) -> str | None:
     """Why the prefill instance's ranks cannot feed the decode instance's, or None.
 
-    Served: equal TP sizes, and a prefill with a multiple of the decode's
-    ranks (each decode rank's heads from several prefill ranks' whole blocks).
+    Served: equal TP sizes or a prefill with a multiple of the decode's TP
+    ranks (each decode rank's heads from several prefill ranks' whole
+    blocks), and equal PP sizes or prefill stages nested in the decode's
+    (each decode stage's layers from several prefill stages).
     """
     try:
         for rank in range(decode.tp_size):
             head_sources(rank, decode.tp_size, prefill.tp_size, decode.num_kv_heads)
+        for stage in range(decode.pp_size):
+            stage_sources(stage, decode.pp_size, prefill.pp_size, decode.num_layers)
     except UnmappableRanks as exc:
         return str(exc)
     return None

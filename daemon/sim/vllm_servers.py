@@ -104,8 +104,9 @@ class VllmServer:
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     max_model_len: int = 1024
     max_num_seqs: int = 16
-    # Tensor-parallel ranks (worker processes), all on ``core``.
+    # Tensor-parallel ranks and pipeline stages (worker processes), all on ``core``.
     tp: int = 1
+    pp: int = 1
     eager: bool = True
     seed: int = 0
     extra_args: Sequence[str] = ()
@@ -161,6 +162,8 @@ class VllmServer:
             cmd.append("--enforce-eager")
         if self.tp > 1:
             cmd += ["--tensor-parallel-size", str(self.tp)]
+        if self.pp > 1:
+            cmd += ["--pipeline-parallel-size", str(self.pp)]
         return [*cmd, *self.extra_args]
 
     def environment(self) -> dict[str, str]:
@@ -173,8 +176,8 @@ class VllmServer:
             PYTHONUNBUFFERED="1",
         )
         if self.core is not None:
-            # One core list per TP rank, separated by "|": every rank on the one core.
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join([str(self.core)] * self.tp)
+            # One core list per rank (TP x PP), separated by "|": every rank on the one core.
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join([str(self.core)] * (self.tp * self.pp))
         env.update(self.env)
         return env
 
