@@ -482,6 +482,29 @@ async def _next(client: EngineClient, request_id: str) -> rpc.Event:
             return event
 
 
+async def _pushed_or_refused(pre: EngineClient, share: str, refused_by: str | None) -> None:
+    """Say kv_ready; the push is written, or (``refused_by``) refused naming that field."""
+    try:
+        await pre.kv_ready(share)
+    except RpcError as refused:
+        # The pairing was refused before kv_ready came: the push failed already.
+        assert refused_by and refused.code == "illegal_transition", refused
+    outcome = await _next(pre, share)
+    if refused_by:
+        assert isinstance(outcome, rpc.RequestFailed), outcome
+        assert outcome.reason == "fingerprint_mismatch"
+        assert f"field {refused_by!r} differs" in outcome.message, outcome.message
+    else:
+        assert isinstance(outcome, rpc.BlocksFreeable), outcome
+
+
+async def _every_load_ended(dec: EngineClient, count: int, *, landed: bool) -> None:
+    """The decode engine hears of ``count`` loads: all arrived, or (not ``landed``) all failed."""
+    ended = {(await dec.next_event(timeout=20)) for _ in range(count)}
+    expected = rpc.KvArrived if landed else rpc.RequestFailed
+    assert {type(e) for e in ended} == {expected}, ended
+
+
 @pytest.mark.parametrize("mis_mapped", [False, True], ids=["mapped", "mis-mapped"])
 async def test_two_prefill_ranks_fill_the_two_head_slices_of_one_decode_rank(pair, mis_mapped):
     """P TP 2 -> D TP 1 at the daemon level, through real daemons and NIXL writes.
@@ -540,21 +563,8 @@ async def test_two_prefill_ranks_fill_the_two_head_slices_of_one_decode_rank(pai
             await dec.register_request(
                 f"d-{tag}-h{into}", share, Role.RECEIVER, [dst], peer="prefill"
             )
-            try:
-                await pre.kv_ready(share)
-            except RpcError as refused:
-                # The pairing was refused before kv_ready came: the push failed already.
-                assert mis_mapped and refused.code == "illegal_transition", refused
-            outcome = await _next(pre, share)
-            if mis_mapped:
-                assert isinstance(outcome, rpc.RequestFailed), outcome
-                assert outcome.reason == "fingerprint_mismatch"
-                assert "field 'kv_head_range' differs" in outcome.message, outcome.message
-            else:
-                assert isinstance(outcome, rpc.BlocksFreeable), outcome
-        arrived = {(await dec.next_event(timeout=20)) for _ in range(2)}
-        expected = rpc.RequestFailed if mis_mapped else rpc.KvArrived
-        assert {type(e) for e in arrived} == {expected}, arrived
+            await _pushed_or_refused(pre, share, "kv_head_range" if mis_mapped else None)
+        await _every_load_ended(dec, 2, landed=not mis_mapped)
         blocks = np.asarray(d_bytes).reshape(nblocks, 2, half)
         if mis_mapped:
             assert (blocks == 0x5A).all()
@@ -631,20 +641,8 @@ async def test_two_prefill_stages_fill_the_layers_of_one_decode_stage(pair, mis_
             await dec.register_request(
                 f"d-{tag}-L{into}", share, Role.RECEIVER, [dst], peer="prefill"
             )
-            try:
-                await pre.kv_ready(share)
-            except RpcError as refused:
-                # The pairing was refused before kv_ready came: the push failed already.
-                assert mis_mapped and refused.code == "illegal_transition", refused
-            outcome = await _next(pre, share)
-            if mis_mapped:
-                assert isinstance(outcome, rpc.RequestFailed), outcome
-                assert "field 'layer_range' differs" in outcome.message, outcome.message
-            else:
-                assert isinstance(outcome, rpc.BlocksFreeable), outcome
-        arrived = {(await dec.next_event(timeout=20)) for _ in range(2)}
-        expected = rpc.RequestFailed if mis_mapped else rpc.KvArrived
-        assert {type(e) for e in arrived} == {expected}, arrived
+            await _pushed_or_refused(pre, share, "layer_range" if mis_mapped else None)
+        await _every_load_ended(dec, 2, landed=not mis_mapped)
         layers = np.asarray(d_bytes).reshape(2, nblocks, nbytes)
         if mis_mapped:
             assert (layers == 0x5A).all()

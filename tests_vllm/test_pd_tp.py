@@ -33,29 +33,24 @@ runs TP over gloo with a shared-memory all-reduce).
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from split_pairs import TOKENS, Shape, Side, load_split_across_ranks, not_paired, split_pair
 
 from daemon.cli import main
-from daemon.sim.launcher import Daemon, free_port, wait_idle
+from daemon.sim.launcher import Daemon, wait_idle
 from daemon.sim.vllm_router import prefill_leg
 from daemon.sim.vllm_servers import (
     EXTERNAL_TOKENS,
     VllmServer,
-    kvpushd_connector_config,
     kvpushd_pd,
-    remove_vllm_shm_segments,
-    running,
-    vllm_shm_segments,
 )
 from schemas.events import Failed, Refused, Registered, Released, Trimmed, WriteDone
 from schemas.reasons import Reason
 
-TOKENS = 8
 PD = tuple[VllmServer, VllmServer, Daemon, Daemon]
 
 
@@ -122,70 +117,48 @@ def test_tp2_decode_prefix_hit_moves_only_the_tail_blocks_on_every_rank(tp2_pd: 
 
 # ---------------------------------------------------- different TP sizes
 
-# The integrity check reads every written slice back on both sides.
-VERIFY_ALL = '[integrity]\nverify = "all"'
-
 
 @pytest.fixture(scope="module")
-def tp2_and_tp1(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[tuple[VllmServer, Daemon], tuple[VllmServer, Daemon]]]:
+def tp2_and_tp1(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Side]]:
     """A TP 2 and a TP 1 instance, each kv_both beside its own daemon: either may prefill.
 
     The TP 1 instance's first load from the TP 2 one is mis-mapped on
     purpose (the negative control, at the start of the one test that loads
     that way).
     """
-    workdir = tmp_path_factory.mktemp("pd-tp-mixed")
-    cores = sorted(os.sched_getaffinity(0))
-    daemons = [
-        Daemon(name, workdir, free_port(), extra=VERIFY_ALL).start() for name in ("two", "one")
+    shapes = [
+        Shape("two", tp=2),
+        Shape("one", env={"KVPUSHD_FAILPOINTS": "connector.swap_slices=corrupt@1"}),
     ]
-    servers = [
-        VllmServer(
-            name.upper(),
-            tiny_model,
-            workdir,
-            core=core,
-            tp=tp,
-            extra_args=[
-                "--kv-transfer-config",
-                # A failed load is recomputed: the negative control's tokens stay right.
-                kvpushd_connector_config("kv_both", daemon, kv_load_failure_policy="recompute"),
-            ],
-            env=env,
-        )
-        for name, core, tp, daemon, env in zip(
-            ("two", "one"),
-            (cores[0], cores[-1]),
-            (2, 1),
-            daemons,
-            ({}, {"KVPUSHD_FAILPOINTS": "connector.swap_slices=corrupt@1"}),
-            strict=True,
-        )
-    ]
-    shm_before = vllm_shm_segments()
-    try:
-        with running(*servers):
-            yield (servers[0], daemons[0]), (servers[1], daemons[1])
-    finally:
-        remove_vllm_shm_segments(vllm_shm_segments() - shm_before)
-        assert [daemon.stop() for daemon in daemons] == [0, 0]
+    with split_pair(tiny_model, tmp_path_factory.mktemp("pd-tp-mixed"), shapes) as sides:
+        yield sides
 
 
 def test_tp2_prefill_fills_both_head_slices_of_a_tp1_decode_token_exact(tp2_and_tp1) -> None:
     # First (the failpoint fires on the decode's first such load): the negative control.
     _a_mis_mapped_rank_pair_is_refused_by_its_heads(tp2_and_tp1)
-    _each_prefill_rank_fills_its_head_slice(tp2_and_tp1)
+    two, one = tp2_and_tp1
+    rng = random.Random(32)
+    for length in (40, 200):
+        prompt = [rng.randrange(2, 512) for _ in range(length)]
+        engines = load_split_across_ranks(two, one, prompt, ("@tp0", "@tp1"))
+        # Each prefill rank's heads went into the slice engine of those heads.
+        assert sorted(e.rsplit("-kvh", 1)[-1] for e in engines) == ["0-1", "1-2"], engines
+    slices = {
+        engine_id: engine["fingerprint"]["kv_head_range"]
+        for engine_id, engine in one[1].status()["engines"].items()
+        if "-kvh" in engine_id
+    }
+    assert sorted(tuple(heads) for heads in slices.values()) == [(0, 1), (1, 2)], slices
 
 
-def _a_mis_mapped_rank_pair_is_refused_by_its_heads(tp2_and_tp1) -> None:
+def _a_mis_mapped_rank_pair_is_refused_by_its_heads(tp2_and_tp1: list[Side]) -> None:
     (p, prefill), (d, decode) = tp2_and_tp1
     rng = random.Random(31)
     prompt = [rng.randrange(2, 512) for _ in range(96)]
     single = p.complete(prompt, TOKENS).token_ids  # the TP 2 instance: TP 1's tokens here
     sent = prefill_leg(p, prompt)
-    # The failed load is recomputed (the policy set above): never wrong tokens.
+    # The failed load is recomputed (split_pair's policy): never wrong tokens.
     # (vLLM counts the external tokens it was promised, loaded or not.)
     assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
     wait_idle(prefill, decode, timeout=10)
@@ -207,63 +180,10 @@ def _a_mis_mapped_rank_pair_is_refused_by_its_heads(tp2_and_tp1) -> None:
     assert reasons <= {Reason.FINGERPRINT_MISMATCH, Reason.ABORTED}, reasons
 
 
-def _each_prefill_rank_fills_its_head_slice(tp2_and_tp1) -> None:
-    (p, prefill), (d, decode) = tp2_and_tp1
-    rng = random.Random(32)
-    checked = decode.status()["counters"]["integrity_blocks_verified"]
-    for length in (40, 200):
-        prompt = [rng.randrange(2, 512) for _ in range(length)]
-        # The TP 2 instance alone (asked on the decode, the prompt would be a
-        # local prefix hit there): its tokens are the TP 1 tokens on this model.
-        single = p.complete(prompt, TOKENS).token_ids
-        sent = prefill_leg(p, prompt)
-        assert sent["kvpushd_fingerprint"]["tp_size"] == 2
-        before = d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer")
-        assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single, length
-        loaded = d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer") - before
-        assert loaded >= length - 1, (length, loaded)
-        wait_idle(prefill, decode)
-        transfer = sent["kvpushd_transfer_id"]
-        engines = set()
-        for rank in (0, 1):
-            share = f"{transfer}@tp{rank}"
-            for daemon in (prefill, decode):
-                kinds = [type(e) for e in daemon.journal_events(share)]
-                assert WriteDone in kinds and kinds[-1] is Released, (daemon.node, rank, kinds)
-            (registered,) = [e for e in decode.journal_events(share) if isinstance(e, Registered)]
-            engines.add(registered.engine_id)
-        # Each prefill rank's heads went into the slice engine of those heads.
-        assert sorted(e.rsplit("-kvh", 1)[-1] for e in engines) == ["0-1", "1-2"], engines
-        # Every written slice's bytes were checked against the prefill rank's checksums.
-        counters = decode.status()["counters"]
-        assert counters["integrity_mismatches"] == 0
-        assert counters["integrity_blocks_verified"] > checked, counters
-        checked = counters["integrity_blocks_verified"]
-    slices = {
-        engine_id: engine["fingerprint"]["kv_head_range"]
-        for engine_id, engine in decode.status()["engines"].items()
-        if "-kvh" in engine_id
-    }
-    assert sorted(tuple(heads) for heads in slices.values()) == [(0, 1), (1, 2)], slices
-
-
 def test_a_tp1_prefill_cannot_feed_a_tp2_decode_and_the_decode_computes_the_prompt(
     tp2_and_tp1,
 ) -> None:
-    (d, decode), (p, prefill) = tp2_and_tp1
+    decode_side, prefill_side = tp2_and_tp1
     rng = random.Random(24)
     prompt = [rng.randrange(2, 512) for _ in range(96)]
-    single = d.complete(prompt, TOKENS).token_ids
-    sent = prefill_leg(p, prompt)
-    before = d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer")
-    assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
-    assert d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer") == before
-    # The prefill's push ends at once (well before its 30 s deadline).
-    wait_idle(prefill, decode, timeout=10)
-    transfer = sent["kvpushd_transfer_id"]
-    events = prefill.journal_events(transfer)
-    (refused,) = [e for e in events if isinstance(e, Refused)]
-    assert refused.reason is Reason.FINGERPRINT_MISMATCH, events
-    assert "field 'kv_head_range' differs" in refused.message
-    (failed,) = [e for e in decode.journal_events(transfer) if isinstance(e, Failed)]
-    assert failed.reason is Reason.FINGERPRINT_MISMATCH
+    not_paired(prefill_side, decode_side, prompt, "kv_head_range")

@@ -1,0 +1,138 @@
+"""Two vLLM instances of different parallel shapes, and the check of a load split across ranks.
+
+Shared by test_pd_tp.py (TP 2 beside TP 1) and test_pd_pp.py (PP 2 beside
+PP 1): each instance is kv_both beside its own daemon (either may prefill),
+both daemons check every write end to end (``verify = "all"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from daemon.sim.launcher import Daemon, free_port, wait_idle
+from daemon.sim.vllm_router import prefill_leg
+from daemon.sim.vllm_servers import (
+    EXTERNAL_TOKENS,
+    VllmServer,
+    kvpushd_connector_config,
+    remove_vllm_shm_segments,
+    running,
+    vllm_shm_segments,
+)
+from schemas.events import Failed, Refused, Registered, Released, WriteDone
+from schemas.reasons import Reason
+
+TOKENS = 8
+# The integrity check reads every written slice back on both sides.
+VERIFY_ALL = '[integrity]\nverify = "all"'
+Side = tuple[VllmServer, Daemon]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One instance of the pair: its name, parallel sizes, and what else it runs with."""
+
+    name: str
+    tp: int = 1
+    pp: int = 1
+    eager: bool = True
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def split_pair(model: Path, workdir: Path, shapes: Sequence[Shape]) -> Iterator[list[Side]]:
+    """The instances of ``shapes``, one core each, every one beside its own daemon.
+
+    A failed load is recomputed (``kv_load_failure_policy``), so a negative
+    control's tokens stay right. The shared-memory segments ranks leave
+    behind are removed after; both daemons must stop with 0.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    daemons = [
+        Daemon(shape.name, workdir, free_port(), extra=VERIFY_ALL).start() for shape in shapes
+    ]
+    servers = [
+        VllmServer(
+            shape.name.upper(),
+            model,
+            workdir,
+            core=core,
+            tp=shape.tp,
+            pp=shape.pp,
+            eager=shape.eager,
+            env=shape.env,
+            extra_args=[
+                "--kv-transfer-config",
+                kvpushd_connector_config("kv_both", daemon, kv_load_failure_policy="recompute"),
+            ],
+        )
+        for shape, core, daemon in zip(shapes, (cores[0], cores[-1]), daemons, strict=True)
+    ]
+    shm_before = vllm_shm_segments()
+    try:
+        with running(*servers):
+            yield list(zip(servers, daemons, strict=True))
+    finally:
+        remove_vllm_shm_segments(vllm_shm_segments() - shm_before)
+        assert [daemon.stop() for daemon in daemons] == [0, 0]
+
+
+def load_split_across_ranks(
+    prefill_side: Side, decode_side: Side, prompt: list[int], suffixes: Sequence[str]
+) -> set[str]:
+    """One P/D request whose load is split over the prefill's ranks; the decode engines used.
+
+    The decode's tokens equal the prefill instance's alone (its own answer,
+    asked first: asked on the decode, the prompt would be a local prefix
+    hit there), the external-KV counter moved by the prompt, every share
+    (the transfer id + each of ``suffixes``) was written and released on
+    both daemons, and every written block passed the integrity check.
+    """
+    (p, prefill), (d, decode) = prefill_side, decode_side
+    verified = decode.status()["counters"]["integrity_blocks_verified"]
+    single = p.complete(prompt, TOKENS).token_ids
+    sent = prefill_leg(p, prompt)
+    before = d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer")
+    assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single, len(prompt)
+    loaded = d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer") - before
+    assert loaded >= len(prompt) - 1, (len(prompt), loaded)
+    wait_idle(prefill, decode)
+    engines = set()
+    for suffix in suffixes:
+        share = f"{sent['kvpushd_transfer_id']}{suffix}"
+        for daemon in (prefill, decode):
+            kinds = [type(e) for e in daemon.journal_events(share)]
+            assert WriteDone in kinds and kinds[-1] is Released, (daemon.node, share, kinds)
+        (registered,) = [e for e in decode.journal_events(share) if isinstance(e, Registered)]
+        engines.add(registered.engine_id)
+    counters = decode.status()["counters"]
+    assert counters["integrity_mismatches"] == 0
+    assert counters["integrity_blocks_verified"] > verified, counters
+    return engines
+
+
+def not_paired(prefill_side: Side, decode_side: Side, prompt: list[int], field_name: str) -> None:
+    """A P/D request between instances whose ranks do not map: the decode computes the prompt.
+
+    Its tokens are its own, no external token is counted, and the prefill's
+    push ends at once (well before its 30 s deadline), refused by the
+    prefill daemon naming ``field_name``; the decode daemon journals why.
+    """
+    (p, prefill), (d, decode) = prefill_side, decode_side
+    single = d.complete(prompt, TOKENS).token_ids
+    sent = prefill_leg(p, prompt)
+    before = d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer")
+    assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
+    assert d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer") == before
+    wait_idle(prefill, decode, timeout=10)
+    transfer = sent["kvpushd_transfer_id"]
+    events = prefill.journal_events(transfer)
+    (refused,) = [e for e in events if isinstance(e, Refused)]
+    assert refused.reason is Reason.FINGERPRINT_MISMATCH, events
+    assert f"field {field_name!r} differs" in refused.message, refused.message
+    (failed,) = [e for e in decode.journal_events(transfer) if isinstance(e, Failed)]
+    assert failed.reason is Reason.FINGERPRINT_MISMATCH
