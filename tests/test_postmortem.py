@@ -284,6 +284,44 @@ def test_sides_disagree(demo, tmp_path):
     assert _kinds(analysis) | {"disagreements": 0} == dict.fromkeys(_kinds(analysis), 0)
 
 
+def test_a_transfer_whose_rank_shares_ended_differently_is_grouped(demo, tmp_path):
+    # Four delivered requests become the two TP ranks' shares of two transfers
+    # on both nodes; one share of the second fails on the decode side.
+    pre, dec = _records(demo["prefill"]), _records(demo["decode"])
+    chosen = [r for r in _delivered(dec) if r in set(_delivered(pre))][:4]
+    names = {
+        chosen[0]: "T-ok@tp0",
+        chosen[1]: "T-ok@tp1",
+        chosen[2]: "T-split@tp0",
+        chosen[3]: "T-split@tp1",
+    }
+
+    def renamed(records: list, fail: str | None = None) -> list:
+        out = []
+        for r in records:
+            rid = _rid(r)
+            if rid in names:
+                event = msgspec.structs.replace(r.event, request_id=names[rid])
+                if names[rid] == fail and type(r.event).__name__ == "WriteDone":
+                    event = Failed(names[rid], 1, Reason.DEADLINE_EXCEEDED, "planted", settled=True)
+                r = msgspec.structs.replace(r, event=event)
+            out.append(r)
+        return out
+
+    prefill = _write(tmp_path / "prefill", renamed(pre))
+    decode = _write(tmp_path / "decode", renamed(dec, fail="T-split@tp1"))
+    analysis = _analyse(prefill, decode)
+    (split,) = analysis.split_transfers  # T-ok's shares both loaded: not listed
+    assert split.transfer == "T-split"
+    assert split.shares == (
+        (("T-split@tp0", 1), "done"),
+        (("T-split@tp1", 1), "failed (deadline_exceeded)"),
+    )
+    shown = _kvpushd("journal", "replay", prefill, decode).stdout
+    assert "transfers whose rank shares ended differently" in shown
+    assert "T-split@tp0#1: done; T-split@tp1#1: failed (deadline_exceeded)" in shown, shown
+
+
 def test_request_never_released(demo, tmp_path):
     records = _records(demo["prefill"])
     victim = _delivered(records)[3]

@@ -39,6 +39,7 @@ from daemon.postmortem.vocab import (
 )
 from schemas.events import DaemonStarted, IntegrityMismatch
 from schemas.reasons import Reason
+from statemachine.ranks import transfer_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +95,18 @@ class Stuck:
 class Disagreement:
     key: RequestKey
     sides: tuple[Side, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SplitTransfer:
+    """A transfer whose rank shares (``T@pp<s>@tp<r>``) did not all end the same way.
+
+    ``shares``: each share's request and how it ended (its outcome, with the
+    reason of the side that failed or was refused), in request-id order.
+    """
+
+    transfer: str
+    shares: tuple[tuple[RequestKey, str], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +244,7 @@ class Analysis:
     refusals: list[RefusalSummary]
     never_released: list[Stuck]
     disagreements: list[Disagreement]
+    split_transfers: list[SplitTransfer]
     mismatches: list[Mismatch]
     slowest: list[Transition]  # the daemons' time: every transition but done->released
     longest_holds: list[Transition]  # done->released: the engine held its blocks
@@ -261,6 +275,7 @@ def analyse(merged: Merged, filters: Filters | None = None, *, top: int = 10) ->
         refusals=_refusals(merged, mask, filters),
         never_released=_never_released(merged, selected, table),
         disagreements=_disagreements(merged, selected),
+        split_transfers=_split_transfers(merged, selected),
         mismatches=_mismatches(merged, mask),
         slowest=_slowest(merged, table, mask, top, engine_hold=False),
         longest_holds=_slowest(merged, table, mask, top, engine_hold=True),
@@ -389,6 +404,27 @@ def _disagreements(merged: Merged, selected: IntArray) -> list[Disagreement]:
     return [
         Disagreement(merged.keys[int(r)], summarize(merged, int(r)).sides) for r in selected[split]
     ]
+
+
+def _split_transfers(merged: Merged, selected: IntArray) -> list[SplitTransfer]:
+    """Transfers whose rank shares ended differently: one rank loaded, another did not."""
+    shares: dict[str, list[int]] = defaultdict(list)
+    for r in selected:
+        request_id = merged.keys[int(r)][0]
+        transfer = transfer_of(request_id)
+        if transfer != request_id:
+            shares[transfer].append(int(r))
+    split = []
+    for transfer, rows in sorted(shares.items()):
+        ended = [(merged.keys[r], _share_outcome(summarize(merged, r))) for r in rows]
+        if len({outcome for _, outcome in ended}) > 1:
+            split.append(SplitTransfer(transfer, tuple(sorted(ended))))
+    return split
+
+
+def _share_outcome(summary: RequestSummary) -> str:
+    reasons = sorted({side.reason for side in summary.sides if side.reason})
+    return summary.outcome + (f" ({', '.join(reasons)})" if reasons else "")
 
 
 def _mismatches(merged: Merged, mask: npt.NDArray[np.bool_]) -> list[Mismatch]:

@@ -196,6 +196,18 @@ def _anomaly_tables(analysis: Analysis, link: _Links) -> str:
             [(link(d.key), _e(_side_text(d.sides))) for d in analysis.disagreements],
         ),
         (
+            "split-transfers",
+            "Transfers whose rank shares ended differently",
+            ["transfer", "shares"],
+            [
+                (
+                    _e(t.transfer),
+                    "; ".join(f"{link(key)}: {_e(ended)}" for key, ended in t.shares),
+                )
+                for t in analysis.split_transfers
+            ],
+        ),
+        (
             "integrity",
             "Integrity mismatches (landed bytes differ from the pusher's; the request failed)",
             ["request", "node", "at", "differ", "of", "blocks (group/layer/block)"],

@@ -65,6 +65,7 @@ def replay_json(analysis: Analysis) -> dict[str, Any]:
         "refusals": [_jsonable(r) for r in analysis.refusals],
         "never_released": [_jsonable(s) for s in analysis.never_released],
         "disagreements": [_jsonable(d) for d in analysis.disagreements],
+        "split_transfers": [_jsonable(t) for t in analysis.split_transfers],
         "integrity_mismatches": [_jsonable(m) for m in analysis.mismatches],
         "slowest_transitions": [_jsonable(t) for t in analysis.slowest],
         "longest_engine_holds": [_jsonable(t) for t in analysis.longest_holds],

@@ -80,6 +80,17 @@ def render_replay(analysis: Analysis, out: TextIO, *, limit: int = 20) -> None:
         [(key_text(d.key), "; ".join(_side_text(s) for s in d.sides)) for d in split],
         more,
     )
+    split_transfers, more = _limited(analysis.split_transfers, limit)
+    _section(
+        w,
+        "transfers whose rank shares ended differently",
+        ["transfer", "shares"],
+        [
+            (t.transfer, "; ".join(f"{key_text(key)}: {ended}" for key, ended in t.shares))
+            for t in split_transfers
+        ],
+        more,
+    )
     bad, more = _limited(analysis.mismatches, limit)
     _section(
         w,
