@@ -609,6 +609,14 @@ def _pp_rank() -> int:
     return int(get_pp_group().rank_in_group)
 
 
+def _holds_run(layer_ids: list[int], first: int, end: int) -> bool:
+    """Whether the layers [first, end) are one run of ``layer_ids`` (in that order)."""
+    if first not in layer_ids:
+        return False
+    start = layer_ids.index(first)
+    return layer_ids[start : start + end - first] == list(range(first, end))
+
+
 def _layer_indices(names: Any) -> list[int] | None:
     """The model's layer index of each KV cache layer name, or None if a name has none."""
     from vllm.model_executor.models.utils import extract_layer_index
@@ -1057,8 +1065,14 @@ class _WorkerSide:
                 "rank's heads are not one run of each block"
             )
         stages = self._stages(receive)
-        if stages != (self._stage,) and self._layer_ids is None:
-            raise UnmappableRanks("vLLM's KV cache layer names carry no layer index")
+        if stages != (self._stage,):
+            # Each prefill stage's layers become a run of this rank's group.
+            for stage in stages:
+                first, end = stage_layers(stage, receive.source_stages, self._instance.num_layers)
+                if not _holds_run(self._layer_ids or [], first, end):
+                    raise UnmappableRanks(
+                        f"this rank's KV cache does not hold layers {first}-{end - 1} as one run"
+                    )
         return [_Source(stage, source) for stage in stages for source in heads]
 
     def _receiver(
