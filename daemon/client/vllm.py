@@ -1302,6 +1302,12 @@ class _WorkerSide:
         self._done_receiving.add(load.request_id)
 
     async def _release_then_free(self, transfer_id: str) -> None:
+        if transfer_id not in self._posted:
+            # Released already (a sibling share's failure aborted it, then
+            # its own failure came), or never registered: nothing holds the
+            # blocks, and a second release would be journaled as stale.
+            self._events.put(Freed(transfer_id))
+            return
         if not self._first_release(transfer_id):
             return  # already asked (an abort, then its failure): its answer frees the blocks
         try:
