@@ -806,17 +806,13 @@ class _WorkerSide:
             # Another daemon process: the one that held those transfers is
             # gone, and with it every NIXL operation it could still post.
             self._daemon_gone(lost[0])
+        # The slices used before are registered again: a re-asked receiver
+        # goes to the engine it was first registered on.
+        self._slices_registered = set()
         try:
             await client.register_engine(
                 self._engine_id, groups, (region,), fingerprint=self._fingerprint
             )
-        except BaseException:
-            await client.close()
-            raise
-        # The head slices used before are registered again: a re-asked
-        # receiver goes to the engine it was first registered on.
-        self._slices_registered = set()
-        try:
             for slice_id in list(self._slices):
                 await self._register_slice(client, slice_id)
         except BaseException:
@@ -970,8 +966,7 @@ class _WorkerSide:
             # index): nothing is registered, so no write can reach the
             # blocks, and the load ends as load errors.
             log.warning("kvpushd: %s: %s", receive.request_id, exc)
-            self._load_errors.update(receive.block_ids)
-            self._done_receiving.add(receive.request_id)
+            self._load_nothing(receive)
             return
         # The negative control's planted mis-mapping: each prefill rank's
         # receiver on the next rank's head slice (the daemon must refuse it).
@@ -988,8 +983,7 @@ class _WorkerSide:
                 receive.request_id,
                 receive.transfer_id,
             )
-            self._load_errors.update(receive.block_ids)
-            self._done_receiving.add(receive.request_id)
+            self._load_nothing(receive)
             return
         load = _Load(
             receive.request_id,
@@ -1002,6 +996,11 @@ class _WorkerSide:
             self._receiving[share.transfer_id] = load
             self._spawn(self._receive(share, generation))
         self._forgo_unread(receive, generation)
+
+    def _load_nothing(self, receive: ReceiveSpec) -> None:
+        """End a load that registered nothing: its blocks are load errors (vLLM recomputes)."""
+        self._load_errors.update(receive.block_ids)
+        self._done_receiving.add(receive.request_id)
 
     def _forgo_all(self, forgone: ReceiveSpec, generation: int) -> None:
         """End the prefill's pushes of a transfer this instance will not load.
@@ -1110,10 +1109,9 @@ class _WorkerSide:
             nbytes = group.block_bytes // slices
             held = group.layers
             if layers != self._fingerprint.layer_range:
-                assert self._layer_ids is not None  # _sources checked
-                held = held[
-                    self._layer_ids.index(layers[0]) : self._layer_ids.index(layers[1] - 1) + 1
-                ]
+                assert self._layer_ids is not None  # _sources checked the run
+                start = self._layer_ids.index(layers[0])
+                held = held[start : start + layers[1] - layers[0]]
             sliced = GroupSpec(
                 group.kind,
                 group.num_blocks,
