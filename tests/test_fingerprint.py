@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
+from daemon.client.errors import RpcError
 from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
 from daemon.sim.kvpattern import changed_blocks, snapshot
 from schemas import rpc
@@ -182,14 +183,21 @@ async def test_a_mismatch_writes_nothing_and_both_journals_name_the_field(
             assert failed.reason == Reason.FINGERPRINT_MISMATCH
             assert f"field {field!r} differs" in failed.message
         assert changed_blocks(before, de.view) == []
+        # The prefill engine's kv_ready, overtaken by the refused pairing, is
+        # refused in its own words (the real-vLLM checks accept exactly these).
+        with pytest.raises(RpcError) as late:
+            await pe.kv_ready(rid)
+        assert late.value.reason is Reason.ILLEGAL_TRANSITION
+        assert "KvReady is not allowed in state failed" in late.value.message
         await de.release(rid)
         await pe.release(rid)
     finally:
         await pe.close()
         await de.close()
     p_events, d_events = prefill.journal_events(rid), decode.journal_events(rid)
-    (refused,) = [e for e in p_events if isinstance(e, Refused)]
-    assert refused.reason is Reason.FINGERPRINT_MISMATCH and field in refused.message
+    pairing, late_ready = [e for e in p_events if isinstance(e, Refused)]
+    assert pairing.reason is Reason.FINGERPRINT_MISMATCH and field in pairing.message
+    assert late_ready.reason is Reason.ILLEGAL_TRANSITION
     for events in (p_events, d_events):
         (failed_event,) = [e for e in events if isinstance(e, Failed)]
         assert failed_event.reason is Reason.FINGERPRINT_MISMATCH, events

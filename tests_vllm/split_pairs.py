@@ -13,6 +13,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from refusals import the_pairing_refusal
+
 from daemon.sim.launcher import Daemon, free_port, wait_idle
 from daemon.sim.vllm_router import prefill_leg
 from daemon.sim.vllm_servers import (
@@ -23,7 +25,7 @@ from daemon.sim.vllm_servers import (
     running,
     vllm_shm_segments,
 )
-from schemas.events import Failed, Refused, Registered, Released, WriteDone
+from schemas.events import Failed, Registered, Released, WriteDone
 from schemas.reasons import Reason
 
 TOKENS = 8
@@ -131,7 +133,7 @@ def not_paired(prefill_side: Side, decode_side: Side, prompt: list[int], field_n
     wait_idle(prefill, decode, timeout=10)
     transfer = sent["kvpushd_transfer_id"]
     events = prefill.journal_events(transfer)
-    (refused,) = [e for e in events if isinstance(e, Refused)]
+    refused = the_pairing_refusal(events)
     assert refused.reason is Reason.FINGERPRINT_MISMATCH, events
     assert f"field {field_name!r} differs" in refused.message, refused.message
     (failed,) = [e for e in decode.journal_events(transfer) if isinstance(e, Failed)]

@@ -18,12 +18,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from refusals import the_pairing_refusal
 
 from daemon.sim.launcher import Daemon, wait_idle
 from daemon.sim.tinyllama import TinyLlama, write_tinyllama
 from daemon.sim.vllm_router import prefill_leg
 from daemon.sim.vllm_servers import EXTERNAL_TOKENS, VllmServer, kvpushd_pd
-from schemas.events import Failed, Refused, Trimmed, WriteStarted
+from schemas.events import Failed, Trimmed, WriteStarted
 from schemas.reasons import Reason
 
 TOKENS = 8
@@ -56,7 +57,7 @@ def test_the_decode_side_computes_the_prompt_when_the_prefill_serves_other_weigh
         wait_idle(prefill, decode)
         transfer = sent["kvpushd_transfer_id"]
         p_events, d_events = prefill.journal_events(transfer), decode.journal_events(transfer)
-        (refused,) = [e for e in p_events if isinstance(e, Refused)]
+        refused = the_pairing_refusal(p_events)
         assert refused.reason is Reason.FINGERPRINT_MISMATCH
         assert "field 'model' differs" in refused.message
         for events in (p_events, d_events):

@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from refusals import the_pairing_refusal
 from split_pairs import TOKENS, Shape, Side, load_split_across_ranks, not_paired, split_pair
 
 from daemon.cli import main
@@ -48,7 +49,7 @@ from daemon.sim.vllm_servers import (
     VllmServer,
     kvpushd_pd,
 )
-from schemas.events import Failed, Refused, Registered, Released, Trimmed, WriteDone
+from schemas.events import Failed, Registered, Released, Trimmed, WriteDone
 from schemas.reasons import Reason
 
 PD = tuple[VllmServer, VllmServer, Daemon, Daemon]
@@ -166,7 +167,7 @@ def _a_mis_mapped_rank_pair_is_refused_by_its_heads(tp2_and_tp1: list[Side]) -> 
     reasons = set()
     for rank in (0, 1):
         share = f"{transfer}@tp{rank}"
-        (refused,) = [e for e in prefill.journal_events(share) if isinstance(e, Refused)]
+        refused = the_pairing_refusal(prefill.journal_events(share))
         assert refused.reason is Reason.FINGERPRINT_MISMATCH
         assert "field 'kv_head_range' differs" in refused.message, refused.message
         events = decode.journal_events(share)
