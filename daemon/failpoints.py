@@ -139,6 +139,13 @@ POINTS: Final[Mapping[str, Point]] = MappingProxyType(
             io=False,
             corrupts=True,
         ),
+        "connector.swap_split": Point(
+            "KvpushdConnector _WorkerSide._shares (daemon/client/vllm.py): a prefill rank "
+            "that splits its push for a decode with more ranks pushes each decode rank's "
+            "share from the next head slice (a planted rank mis-mapping; one hit per push)",
+            io=False,
+            corrupts=True,
+        ),
         "integrity.shift_src": Point(
             "Integrity.wire_src (daemon/node/integrity.py): the pusher hands NIXL the "
             "front of its blocks instead of the trimmed tail (a planted front-trim)",

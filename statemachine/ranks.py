@@ -45,6 +45,13 @@ def transfer_of(request_id: str) -> str:
 # from exactly one prefill rank, into the slice of its blocks that holds those
 # heads (a slice engine, schemas/kvlayout.py), so every destination byte has
 # one writer. Prefill ranks no decode rank reads from (replicas) push nothing.
+#
+# When the decode has k times the prefill's ranks, a prefill rank's heads lie
+# in k decode ranks: it pushes one share per decode rank it feeds, each from
+# the slice of its own blocks holding that rank's heads, named by the decode
+# rank (``T@tp<d>`` of the decode's TP size). The prefill can do so only when
+# it knows the decode's TP size as it registers its push: its router says so
+# on the prefill leg (``split_tp``); otherwise the pair is refused.
 
 
 class UnmappableRanks(ValueError):
@@ -52,9 +59,23 @@ class UnmappableRanks(ValueError):
 
 
 class HeadSource(NamedTuple):
-    """A prefill rank a decode rank loads from, into head slice ``slice_index`` of ``slices``."""
+    """A prefill rank a decode rank loads from, into head slice ``slice_index`` of ``slices``.
+
+    ``share_rank``: the TP rank naming the share (the prefill rank, or the
+    decode rank when the prefill split its push for the decode's ranks).
+    """
 
     prefill_rank: int
+    slice_index: int
+    slices: int
+    share_rank: int
+
+
+class HeadTarget(NamedTuple):
+    """A decode rank a prefill rank pushes to, from head slice ``slice_index`` of ``slices``
+    of its own blocks, as the share named by ``share_rank`` (that decode rank)."""
+
+    share_rank: int
     slice_index: int
     slices: int
 
@@ -75,19 +96,40 @@ def heads_of(rank: int, tp_size: int, num_kv_heads: int) -> tuple[int, int]:
 
 
 def head_sources(
-    decode_rank: int, decode_tp: int, prefill_tp: int, num_kv_heads: int
+    decode_rank: int,
+    decode_tp: int,
+    prefill_tp: int,
+    num_kv_heads: int,
+    split_tp: int | None = None,
 ) -> tuple[HeadSource, ...]:
     """The prefill ranks decode rank ``decode_rank`` loads from, one per head range.
 
-    Served: a prefill with as many ranks as the decode or a multiple of them.
-    A decode with more ranks than the prefill would need one prefill rank to
-    write into several decode ranks, which the prefill cannot know when it
-    registers its push (it has not seen the decode): refused.
+    ``split_tp``: the TP size whose ranks name the prefill's shares (its own
+    when None). Served: a prefill with as many ranks as the decode or a
+    multiple of them; a decode with a multiple of the prefill's ranks only
+    when the prefill split its push for exactly this decode's TP size (one
+    prefill rank writes into several decode ranks, which it must know when it
+    registers its push). Otherwise UnmappableRanks, saying why.
     """
-    if prefill_tp < decode_tp or prefill_tp % decode_tp:
+    split_tp = prefill_tp if split_tp is None else split_tp
+    if prefill_tp < decode_tp:
+        if split_tp != decode_tp:
+            raise UnmappableRanks(
+                f"a prefill with TP {prefill_tp} feeds a decode with TP {decode_tp} only when "
+                f"it splits its push for TP {decode_tp} (its router names the decode's TP "
+                f"on the prefill leg); it pushed for TP {split_tp}"
+            )
+        source = split_source(decode_rank, decode_tp, prefill_tp, num_kv_heads)
+        return (HeadSource(source, 0, 1, decode_rank),)
+    if split_tp != prefill_tp:
+        raise UnmappableRanks(
+            f"the prefill pushed for TP {split_tp}, but it has TP {prefill_tp} and the "
+            f"decode TP {decode_tp}: shares are named by the prefill's ranks here"
+        )
+    if prefill_tp % decode_tp:
         raise UnmappableRanks(
             f"a prefill with TP {prefill_tp} cannot feed a decode with TP {decode_tp}: "
-            f"the prefill's TP must equal the decode's or be a multiple of it"
+            f"one TP size must be a multiple of the other"
         )
     first, end = heads_of(decode_rank, decode_tp, num_kv_heads)
     # This decode rank reads from the prefill replica of the same index, so
@@ -98,12 +140,62 @@ def head_sources(
         lo, hi = heads_of(rank, prefill_tp, num_kv_heads)
         if first <= lo and hi <= end and _replica(rank, prefill_tp, num_kv_heads) == replica:
             width = hi - lo
-            sources.append(HeadSource(rank, (lo - first) // width, (end - first) // width))
+            sources.append(HeadSource(rank, (lo - first) // width, (end - first) // width, rank))
     return tuple(sources)
 
 
+def split_source(decode_rank: int, decode_tp: int, prefill_tp: int, num_kv_heads: int) -> int:
+    """The one prefill rank that writes decode rank ``decode_rank``'s heads (decode TP larger).
+
+    The prefill ranks holding all of its heads are replicas of each other;
+    decode replicas spread over them in turn, so each destination byte has
+    one writer and the reads are shared out.
+    """
+    if decode_tp % prefill_tp:
+        raise UnmappableRanks(
+            f"a prefill with TP {prefill_tp} cannot feed a decode with TP {decode_tp}: "
+            f"one TP size must be a multiple of the other"
+        )
+    first, end = heads_of(decode_rank, decode_tp, num_kv_heads)
+    holders = [
+        r for r in range(prefill_tp) if _contains(heads_of(r, prefill_tp, num_kv_heads), first, end)
+    ]
+    if not holders:
+        raise UnmappableRanks(
+            f"no prefill rank of TP {prefill_tp} holds all of decode rank {decode_rank}'s "
+            f"KV heads {first}-{end - 1}"
+        )
+    return holders[_replica(decode_rank, decode_tp, num_kv_heads) % len(holders)]
+
+
+def head_targets(
+    prefill_rank: int, prefill_tp: int, decode_tp: int, num_kv_heads: int
+) -> tuple[HeadTarget, ...]:
+    """The decode ranks prefill rank ``prefill_rank`` pushes to when it splits for ``decode_tp``.
+
+    The inverse of :func:`split_source`; each target's slice of the prefill
+    rank's blocks holds exactly that decode rank's heads. May be empty (a
+    prefill replica no decode rank reads from pushes nothing).
+    """
+    first, end = heads_of(prefill_rank, prefill_tp, num_kv_heads)
+    targets: list[HeadTarget] = []
+    for rank in range(decode_tp):
+        if split_source(rank, decode_tp, prefill_tp, num_kv_heads) != prefill_rank:
+            continue
+        lo, hi = heads_of(rank, decode_tp, num_kv_heads)
+        width = hi - lo
+        targets.append(HeadTarget(rank, (lo - first) // width, (end - first) // width))
+    return tuple(targets)
+
+
 def unread_prefill_ranks(decode_tp: int, prefill_tp: int, num_kv_heads: int) -> tuple[int, ...]:
-    """Prefill ranks no decode rank reads from (replicated heads): their pushes are forgone."""
+    """Prefill ranks no decode rank reads from (replicated heads): their pushes are forgone.
+
+    None when the decode has more ranks: the prefill then split its push and
+    registered nothing for a rank no decode rank reads.
+    """
+    if prefill_tp < decode_tp:
+        return ()
     read = {
         source.prefill_rank
         for rank in range(decode_tp)
@@ -131,7 +223,7 @@ def forgone_sources(
         ]
         if holders and holders[0] == decode_rank:
             width = hi - lo
-            ended.append(HeadSource(rank, (lo - first) // width, (end - first) // width))
+            ended.append(HeadSource(rank, (lo - first) // width, (end - first) // width, rank))
     return tuple(ended)
 
 

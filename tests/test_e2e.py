@@ -31,7 +31,7 @@ from schemas.events import Failed, Refused, WriteStarted
 from schemas.fingerprint import Fingerprint
 from schemas.kvlayout import GroupSpec, LayerSpec
 from schemas.layout import GroupKind, Role
-from statemachine.ranks import head_sources, share_id, stage_layers, stage_sources
+from statemachine.ranks import head_sources, head_targets, share_id, stage_layers, stage_sources
 
 LAYOUT = [
     SimGroup(num_blocks=640, block_bytes=4096, layers=2),
@@ -575,6 +575,85 @@ async def test_two_prefill_ranks_fill_the_two_head_slices_of_one_decode_rank(pai
                 assert (blocks[d, rank] == sent[s]).all(), (rank, s, d)
         untouched = [b for b in range(nblocks) if b not in dst]
         assert (blocks[untouched] == 0x5A).all()
+    finally:
+        for client in clients:
+            await client.close()
+        for path in paths:
+            os.unlink(path)
+
+
+@pytest.mark.parametrize("mis_mapped", [False, True], ids=["mapped", "mis-mapped"])
+async def test_one_prefill_rank_split_for_two_decode_ranks_fills_each_from_its_head_slice(
+    pair, mis_mapped
+):
+    """P TP 1 -> D TP 2 at the daemon level, through real daemons and NIXL writes.
+
+    The prefill rank's block holds both KV heads; told the decode's TP, it
+    registers two head-slice engines over its one buffer (block_stride = its
+    block size, offsets 0 and half a block) and pushes one share per decode
+    rank from the slice holding that rank's head (statemachine/ranks.
+    head_targets). Each decode rank's buffer must end as its head of the
+    written blocks, the rest untouched, and the prefill's buffer unchanged.
+    Mis-mapped (each slice pushed as the other rank's share), the prefill
+    daemon refuses both pairings by the heads they name, and not one decode
+    byte changes.
+    """
+    prefill, decode = pair
+    tag, nblocks, half = _uid(), 16, 2048
+    paths: list[str] = []
+    model = Fingerprint("/models/tiny", num_kv_heads=2, tp_size=1, protocol=2)
+
+    def shm(name: str, size: int):
+        spec = create_shm_file(f"/dev/shm/kvpushd-test-{name}-{tag}", size)
+        paths.append(spec.path)
+        return spec, np.memmap(spec.path, dtype=np.uint8, mode="r+")
+
+    p_region, p_bytes = shm("pre", nblocks * 2 * half)
+    p_bytes[:] = np.arange(nblocks * 2 * half, dtype=np.uint32).astype(np.uint8)
+    sent = np.array(p_bytes).reshape(nblocks, 2, half)
+    clients: list[EngineClient] = []
+    try:
+        dec = await EngineClient.connect(decode.socket)
+        pre = await EngineClient.connect(prefill.socket)
+        clients += [dec, pre]
+        src, dst = [3, 4, 5], [9, 2, 12]
+        received = []
+        for rank in range(2):
+            d_region, d_bytes = shm(f"d{rank}", nblocks * half)
+            d_bytes[:] = 0x5A
+            received.append(d_bytes)
+            group = GroupSpec(GroupKind.ATTENTION, nblocks, half, (LayerSpec(d_region.name),))
+            rank_print = msgspec.structs.replace(model, tp_size=2, kv_head_range=(rank, rank + 1))
+            await dec.register_engine(
+                f"d-{tag}-tp{rank}", (group,), (d_region,), fingerprint=rank_print
+            )
+        for target in head_targets(0, 1, 2, 2):
+            slice_group = GroupSpec(
+                GroupKind.ATTENTION, nblocks, half,
+                (LayerSpec(p_region.name, target.slice_index * half),), block_stride=2 * half,
+            )  # fmt: skip
+            heads = (target.slice_index, target.slice_index + 1)
+            slice_print = msgspec.structs.replace(model, kv_head_range=heads)
+            engine = f"p-{tag}-kvh{target.slice_index}"
+            await pre.register_engine(engine, (slice_group,), (p_region,), fingerprint=slice_print)
+            rank = 1 - target.share_rank if mis_mapped else target.share_rank
+            share = share_id(f"x-{tag}", rank, 2)
+            await dec.register_request(
+                f"d-{tag}-tp{rank}", share, Role.RECEIVER, [dst], peer="prefill"
+            )
+            await pre.register_request(engine, share, Role.PUSHER, [src])
+            await _pushed_or_refused(pre, share, "kv_head_range" if mis_mapped else None)
+        await _every_load_ended(dec, 2, landed=not mis_mapped)
+        assert (np.asarray(p_bytes).reshape(nblocks, 2, half) == sent).all()
+        for rank in range(2):
+            blocks = np.asarray(received[rank]).reshape(nblocks, half)
+            if mis_mapped:
+                assert (blocks == 0x5A).all()
+                continue
+            for s_block, d_block in zip(src, dst, strict=True):
+                assert (blocks[d_block] == sent[s_block, rank]).all(), (rank, s_block, d_block)
+            untouched = [b for b in range(nblocks) if b not in dst]
+            assert (blocks[untouched] == 0x5A).all()
     finally:
         for client in clients:
             await client.close()

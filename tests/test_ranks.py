@@ -64,10 +64,13 @@ def test_an_exact_request_filter_finds_every_ranks_share_and_nothing_else() -> N
 
 from statemachine.ranks import (  # noqa: E402 - the head-slice half of the module
     HeadSource,
+    HeadTarget,
     UnmappableRanks,
     forgone_sources,
     head_sources,
+    head_targets,
     heads_of,
+    split_source,
     unread_prefill_ranks,
 )
 
@@ -89,9 +92,21 @@ def test_vllm_splits_heads_by_rank_and_replicates_beyond_the_head_count() -> Non
 
 
 def test_a_prefill_with_twice_the_ranks_writes_two_halves_of_each_decode_rank() -> None:
-    assert head_sources(0, 1, 2, 2) == (HeadSource(0, 0, 2), HeadSource(1, 1, 2))
-    assert head_sources(1, 2, 4, 8) == (HeadSource(2, 0, 2), HeadSource(3, 1, 2))
-    assert head_sources(1, 2, 2, 2) == (HeadSource(1, 0, 1),)  # same TP: rank to rank
+    assert head_sources(0, 1, 2, 2) == (HeadSource(0, 0, 2, 0), HeadSource(1, 1, 2, 1))
+    assert head_sources(1, 2, 4, 8) == (HeadSource(2, 0, 2, 2), HeadSource(3, 1, 2, 3))
+    assert head_sources(1, 2, 2, 2) == (HeadSource(1, 0, 1, 1),)  # same TP: rank to rank
+
+
+def test_a_prefill_split_for_twice_its_ranks_writes_each_half_to_its_own_decode_rank() -> None:
+    # Both halves of the prefill rank's blocks, each its own share named by the decode rank.
+    assert head_targets(0, 1, 2, 2) == (HeadTarget(0, 0, 2), HeadTarget(1, 1, 2))
+    assert head_targets(1, 2, 4, 8) == (HeadTarget(2, 0, 2), HeadTarget(3, 1, 2))
+    assert [head_sources(d, 2, 1, 2, split_tp=2) for d in (0, 1)] == [
+        (HeadSource(0, 0, 1, 0),),
+        (HeadSource(0, 0, 1, 1),),
+    ]
+    # Decode replicas of one head read from the prefill's replicas in turn.
+    assert [split_source(d, 4, 2, 1) for d in range(4)] == [0, 1, 0, 1]
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp", "heads"), SHAPES)
@@ -136,11 +151,46 @@ def test_every_unread_replica_is_ended_by_exactly_one_decode_rank_on_its_own_hea
     assert sorted(ended) == sorted(unread_prefill_ranks(d_tp, p_tp, heads))
 
 
-def test_a_decode_with_more_ranks_than_the_prefill_is_refused_with_why() -> None:
-    with pytest.raises(UnmappableRanks, match="TP 1 cannot feed a decode with TP 2"):
+SPLIT_SHAPES = [
+    (p_tp, d_tp, heads)
+    for heads in (1, 2, 4, 8)
+    for p_tp in (1, 2, 4, 8)
+    for d_tp in (2, 4, 8, 16)
+    if d_tp > p_tp and d_tp % p_tp == 0
+]
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp", "heads"), SPLIT_SHAPES)
+def test_a_split_push_writes_every_decode_rank_once_from_a_slice_holding_its_heads(
+    p_tp: int, d_tp: int, heads: int
+) -> None:
+    fed: list[int] = []
+    for rank in range(p_tp):
+        first, end = heads_of(rank, p_tp, heads)
+        for target in head_targets(rank, p_tp, d_tp, heads):
+            width = (end - first) // target.slices
+            # The slice it reads holds exactly the decode rank's heads.
+            assert heads_of(target.share_rank, d_tp, heads) == (
+                first + target.slice_index * width,
+                first + (target.slice_index + 1) * width,
+            )
+            # And the decode rank expects exactly this prefill rank's share.
+            (source,) = head_sources(target.share_rank, d_tp, p_tp, heads, split_tp=d_tp)
+            assert (source.prefill_rank, source.share_rank) == (rank, target.share_rank)
+            fed.append(target.share_rank)
+    assert sorted(fed) == list(range(d_tp)), "each decode rank has exactly one writer"
+    assert unread_prefill_ranks(d_tp, p_tp, heads) == ()
+
+
+def test_a_decode_with_more_ranks_than_the_prefill_is_refused_unless_the_push_was_split() -> None:
+    with pytest.raises(UnmappableRanks, match="only when it splits its push for TP 2"):
         head_sources(0, 2, 1, 2)
-    with pytest.raises(UnmappableRanks):
+    with pytest.raises(UnmappableRanks, match="it pushed for TP 4"):
+        head_sources(0, 2, 1, 2, split_tp=4)
+    with pytest.raises(UnmappableRanks, match="one TP size must be a multiple"):
         head_sources(0, 2, 3, 2)
+    with pytest.raises(UnmappableRanks, match="one TP size must be a multiple"):
+        head_sources(0, 3, 2, 6, split_tp=3)
 
 
 # ---------------------------------------------------------- pipeline stages

@@ -19,6 +19,7 @@ from daemon.client.vllm_layout import (
     rank_fingerprint,
     rank_map_problem,
     slice_fingerprint,
+    split_tp,
 )
 from schemas.fingerprint import CONNECTOR_PROTOCOL, Fingerprint
 from statemachine.fingerprint import first_difference
@@ -94,8 +95,15 @@ def test_instances_pair_when_the_prefill_has_a_multiple_of_the_decodes_ranks() -
     assert rank_map_problem(tp(2), tp(2)) is None
     assert rank_map_problem(tp(2), tp(1)) is None
     assert rank_map_problem(tp(4), tp(2)) is None  # TP 4 replicates the 2 heads
+    # A decode with more ranks: only a push the prefill split for its TP.
     problem = rank_map_problem(tp(1), tp(2))
-    assert problem is not None and "TP 1 cannot feed a decode with TP 2" in problem
+    assert problem is not None and "only when it splits its push for TP 2" in problem
+    assert rank_map_problem(tp(1), tp(2), split_tp=2) is None
+    assert rank_map_problem(tp(2), tp(4), split_tp=4) is None
+    problem = rank_map_problem(tp(1), tp(4), split_tp=2)
+    assert problem is not None and "it pushed for TP 2" in problem
+    problem = rank_map_problem(tp(2), tp(1), split_tp=4)  # split for another decode
+    assert problem is not None and "pushed for TP 4" in problem
 
     def pp(size: int) -> Fingerprint:
         return msgspec.structs.replace(INSTANCE, pp_size=size)
@@ -104,3 +112,26 @@ def test_instances_pair_when_the_prefill_has_a_multiple_of_the_decodes_ranks() -
     assert rank_map_problem(pp(2), pp(1)) is None
     problem = rank_map_problem(pp(1), pp(2))
     assert problem is not None and "span two of the decode's 2 stages" in problem
+
+
+@pytest.mark.parametrize(
+    ("own", "told", "split"),
+    [
+        (1, None, 1),  # unsaid (vLLM's own proxies): its own TP
+        (1, 2, 2),
+        (2, 4, 4),
+        (1, 8, 8),  # TP 8 replicates the 2 heads: each decode rank reads one
+        (2, 2, 2),
+        (2, 1, 2),  # a decode with fewer ranks takes whole shares
+        (1, 3, 1),  # 3 ranks cannot hold 2 heads
+        (2, 3, 2),  # not a multiple
+        (1, "2", 1),
+        (1, True, 1),
+        (1, 10**9, 1),  # beyond any real TP size: never looped over
+    ],
+)
+def test_a_prefill_splits_its_push_only_for_a_decode_tp_it_maps_onto(
+    own: int, told: object, split: int
+) -> None:
+    instance = msgspec.structs.replace(INSTANCE, tp_size=own)
+    assert split_tp(instance, told) == split

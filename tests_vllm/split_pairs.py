@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from refusals import the_pairing_refusal
 
@@ -83,34 +84,47 @@ def split_pair(model: Path, workdir: Path, shapes: Sequence[Shape]) -> Iterator[
         assert [daemon.stop() for daemon in daemons] == [0, 0]
 
 
+class Engines(NamedTuple):
+    """The engines a transfer's shares were registered on, per side."""
+
+    prefill: set[str]
+    decode: set[str]
+
+
 def load_split_across_ranks(
-    prefill_side: Side, decode_side: Side, prompt: list[int], suffixes: Sequence[str]
-) -> set[str]:
-    """One P/D request whose load is split over the prefill's ranks; the decode engines used.
+    prefill_side: Side,
+    decode_side: Side,
+    prompt: list[int],
+    suffixes: Sequence[str],
+    decode_tp: int | None = None,
+) -> Engines:
+    """One P/D request whose load is split over ranks; the engines its shares used.
 
     The decode's tokens equal the prefill instance's alone (its own answer,
     asked first: asked on the decode, the prompt would be a local prefix
     hit there), the external-KV counter moved by the prompt, every share
     (the transfer id + each of ``suffixes``) was written and released on
     both daemons, and every written block passed the integrity check.
+    ``decode_tp``: the decode's TP size, named on the prefill leg.
     """
     (p, prefill), (d, decode) = prefill_side, decode_side
     verified = decode.status()["counters"]["integrity_blocks_verified"]
     single = p.complete(prompt, TOKENS).token_ids
-    sent = prefill_leg(p, prompt)
+    sent = prefill_leg(p, prompt, decode_tp=decode_tp)
     before = d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer")
     assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single, len(prompt)
     loaded = d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer") - before
     assert loaded >= len(prompt) - 1, (len(prompt), loaded)
     wait_idle(prefill, decode)
-    engines = set()
+    engines = Engines(set(), set())
     for suffix in suffixes:
         share = f"{sent['kvpushd_transfer_id']}{suffix}"
-        for daemon in (prefill, decode):
-            kinds = [type(e) for e in daemon.journal_events(share)]
+        for daemon, used in ((prefill, engines.prefill), (decode, engines.decode)):
+            events = daemon.journal_events(share)
+            kinds = [type(e) for e in events]
             assert WriteDone in kinds and kinds[-1] is Released, (daemon.node, share, kinds)
-        (registered,) = [e for e in decode.journal_events(share) if isinstance(e, Registered)]
-        engines.add(registered.engine_id)
+            (registered,) = [e for e in events if isinstance(e, Registered)]
+            used.add(registered.engine_id)
     counters = decode.status()["counters"]
     assert counters["integrity_mismatches"] == 0
     assert counters["integrity_blocks_verified"] > verified, counters

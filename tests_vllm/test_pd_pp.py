@@ -43,7 +43,7 @@ def test_pp2_prefill_fills_each_stages_layers_of_a_pp1_decode_token_exact(pp2_an
     rng = random.Random(41)
     for length in (40, 200):
         prompt = [rng.randrange(2, 512) for _ in range(length)]
-        engines = load_split_across_ranks(staged, whole, prompt, ("@pp0", "@pp1"))
+        engines = load_split_across_ranks(staged, whole, prompt, ("@pp0", "@pp1")).decode
         # Each stage's layers went into the layer slice of those layers.
         assert sorted(e.rsplit("-L", 1)[-1] for e in engines) == ["0-1", "1-2"], engines
     engines = staged[1].status()["engines"]

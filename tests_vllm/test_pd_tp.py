@@ -23,9 +23,16 @@ counter moved by the prompt, and both journals show both ranks' shares
 written and verified. The negative control plants a mis-mapping (each
 prefill rank's receiver on the other rank's slice): the prefill daemon
 refuses both pairings by the heads they name, nothing is written, and the
-decode computes the prompt. A TP 1 prefill cannot feed a TP 2 decode (one
-prefill rank would write into two decode ranks): the decode computes the
-prompt, and the prefill daemon refuses the pairing by the heads.
+decode computes the prompt.
+
+A TP 1 prefill feeds a TP 2 decode when its router names the decode's TP
+on the prefill leg (``kvpushd_decode_tp``): it pushes one share per decode
+rank, each from the head slice of its blocks holding that rank's head, into
+the decode rank's whole blocks; the same oracle, and a negative control
+that reads each share from the other slice (refused by the heads). Not told
+(as vLLM's own proxies send the prefill leg), it pushes one whole share no
+decode rank can take: the decode computes the prompt, and the prefill
+daemon refuses the pairing by the heads.
 
 Every rank of an instance runs on that instance's one core (the CPU build
 runs TP over gloo with a shared-memory all-reduce).
@@ -119,17 +126,22 @@ def test_tp2_decode_prefix_hit_moves_only_the_tail_blocks_on_every_rank(tp2_pd: 
 # ---------------------------------------------------- different TP sizes
 
 
+# The negative controls' planted mis-mappings, each on the first load (or
+# split push) of its kind in the TP 1 instance's worker.
+SWAPS = ("connector.swap_slices", "connector.swap_split")
+
+
 @pytest.fixture(scope="module")
 def tp2_and_tp1(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Side]]:
     """A TP 2 and a TP 1 instance, each kv_both beside its own daemon: either may prefill.
 
-    The TP 1 instance's first load from the TP 2 one is mis-mapped on
-    purpose (the negative control, at the start of the one test that loads
-    that way).
+    The TP 1 instance's first load from the TP 2 one, and its first push
+    split for the TP 2 one, are mis-mapped on purpose (the negative
+    controls, each at the start of the one test that moves KV that way).
     """
     shapes = [
         Shape("two", tp=2),
-        Shape("one", env={"KVPUSHD_FAILPOINTS": "connector.swap_slices=corrupt@1"}),
+        Shape("one", env={"KVPUSHD_FAILPOINTS": ",".join(f"{p}=corrupt@1" for p in SWAPS)}),
     ]
     with split_pair(tiny_model, tmp_path_factory.mktemp("pd-tp-mixed"), shapes) as sides:
         yield sides
@@ -142,7 +154,7 @@ def test_tp2_prefill_fills_both_head_slices_of_a_tp1_decode_token_exact(tp2_and_
     rng = random.Random(32)
     for length in (40, 200):
         prompt = [rng.randrange(2, 512) for _ in range(length)]
-        engines = load_split_across_ranks(two, one, prompt, ("@tp0", "@tp1"))
+        engines = load_split_across_ranks(two, one, prompt, ("@tp0", "@tp1")).decode
         # Each prefill rank's heads went into the slice engine of those heads.
         assert sorted(e.rsplit("-kvh", 1)[-1] for e in engines) == ["0-1", "1-2"], engines
     slices = {
@@ -181,9 +193,46 @@ def _a_mis_mapped_rank_pair_is_refused_by_its_heads(tp2_and_tp1: list[Side]) -> 
     assert reasons <= {Reason.FINGERPRINT_MISMATCH, Reason.ABORTED}, reasons
 
 
-def test_a_tp1_prefill_cannot_feed_a_tp2_decode_and_the_decode_computes_the_prompt(
+def test_a_tp1_prefill_told_the_decodes_tp_fills_each_tp2_rank_from_a_head_slice(
     tp2_and_tp1,
 ) -> None:
+    # First (the failpoint fires on the prefill's first split push): the negative control.
+    _a_split_push_mis_mapped_is_refused_by_its_heads(tp2_and_tp1)
+    two, one = tp2_and_tp1
+    rng = random.Random(33)
+    for length in (40, 200):
+        prompt = [rng.randrange(2, 512) for _ in range(length)]
+        engines = load_split_across_ranks(one, two, prompt, ("@tp0", "@tp1"), decode_tp=2)
+        # Each decode rank loaded on its own engine, into its whole blocks,
+        # each share read from the prefill's slice holding that rank's head.
+        assert sorted(e.rsplit("-", 1)[-1] for e in engines.decode) == ["tp0", "tp1"], engines
+        assert sorted(e.rsplit("-kvh", 1)[-1] for e in engines.prefill) == ["0-1", "1-2"], engines
+
+
+def _a_split_push_mis_mapped_is_refused_by_its_heads(tp2_and_tp1: list[Side]) -> None:
+    (d, decode), (p, prefill) = tp2_and_tp1
+    rng = random.Random(34)
+    prompt = [rng.randrange(2, 512) for _ in range(96)]
+    single = p.complete(prompt, TOKENS).token_ids  # the TP 1 instance: the TP 2 tokens too
+    sent = prefill_leg(p, prompt, decode_tp=2)
+    assert sent["kvpushd_split_tp"] == 2
+    # The failed load is recomputed (split_pair's policy): never wrong tokens.
+    assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
+    wait_idle(prefill, decode, timeout=10)
+    transfer = sent["kvpushd_transfer_id"]
+    for rank in (0, 1):
+        share = f"{transfer}@tp{rank}"
+        refused = the_pairing_refusal(prefill.journal_events(share))
+        assert "field 'kv_head_range' differs" in refused.message, refused.message
+        events = decode.journal_events(share)
+        assert not [e for e in events if isinstance(e, WriteDone)], events
+        assert isinstance(events[-1], Released), events
+
+
+def test_a_tp1_prefill_not_told_the_decodes_tp_cannot_feed_it_and_the_decode_computes(
+    tp2_and_tp1,
+) -> None:
+    # vLLM's own proxies send the prefill leg without the decode's TP size.
     decode_side, prefill_side = tp2_and_tp1
     rng = random.Random(24)
     prompt = [rng.randrange(2, 512) for _ in range(96)]

@@ -107,12 +107,14 @@ from daemon.client.engine_client import EngineClient
 from daemon.client.errors import ClientError, DaemonUnreachable, RpcError
 from daemon.client.kvfile import create_kv_file, sweep_stale_kv_files
 from daemon.client.vllm_layout import (
+    MAX_RANKS,
     check_supported,
     fingerprint,
     prompt_digest,
     rank_fingerprint,
     rank_map_problem,
     slice_fingerprint,
+    split_tp,
 )
 from schemas import rpc
 from schemas.fingerprint import Fingerprint
@@ -122,9 +124,11 @@ from schemas.reasons import Reason
 from statemachine.fingerprint import first_difference
 from statemachine.ranks import (
     HeadSource,
+    HeadTarget,
     UnmappableRanks,
     forgone_sources,
     head_sources,
+    head_targets,
     share_id,
     stage_layers,
     stage_sources,
@@ -153,8 +157,6 @@ CALL_TIMEOUT_S = 30.0
 _UNTIL_ANSWERED = math.inf
 # Finished request ids remembered until their send ends (pruned past this many).
 _MAX_SEEN = 65536
-# A prefill's TP size read from kv_transfer_params is believed up to this.
-_MAX_RANKS = 256
 # What two instances' fingerprints may differ in and still pair: where each
 # rank sits (the rank map pairs their heads, and each engine's own
 # fingerprint names its heads for the daemon to check).
@@ -166,11 +168,19 @@ _COMPUTED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LE
 
 @dataclass(frozen=True)
 class PushSpec:
-    """A finished prefill request whose blocks the daemon pushes."""
+    """A finished prefill request whose blocks the daemon pushes.
+
+    ``split_tp``: the TP size naming the shares (the decode's when this
+    instance splits its push for a decode with more ranks; 0: its own).
+    ``engine_id``: the engine (this rank's, or a head slice of it) the
+    worker registers the pusher on; "" until the worker chose.
+    """
 
     request_id: str
     transfer_id: str
     block_ids: tuple[int, ...]
+    split_tp: int = 0
+    engine_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -194,6 +204,9 @@ class ReceiveSpec:
     paired: bool = True
     engine_id: str = ""
     source_stages: int = 1  # the prefill's pipeline stages, as source_ranks
+    # The TP size naming the prefill's shares: source_ranks, or this
+    # instance's when the prefill split its push for it (0: source_ranks).
+    split_tp: int = 0
 
 
 class _Source(NamedTuple):
@@ -482,7 +495,7 @@ class _SchedulerSide:
                 f"the prefill's KV fingerprint differs in {field_name} (prefill {theirs!r}, "
                 f"this instance {ours!r})"
             )
-        unmappable = rank_map_problem(sent, self._fingerprint)
+        unmappable = rank_map_problem(sent, self._fingerprint, _split_of(params))
         if unmappable is not None:
             return vs.FINGERPRINT, f"the two instances' ranks do not pair: {unmappable}"
         prompt = request.prompt_token_ids
@@ -539,7 +552,12 @@ class _SchedulerSide:
             self.stats.not_loaded(vs.NOT_NEEDED)
             return False, None
         transfer_id = request.request_id
-        self._pending.push.append(PushSpec(request.request_id, transfer_id, tuple(block_ids)))
+        # A decode with more TP ranks, named by the router: each rank pushes
+        # one share per decode rank it feeds (statemachine/ranks.py).
+        split = split_tp(self._fingerprint, params.get("kvpushd_decode_tp"))
+        self._pending.push.append(
+            PushSpec(request.request_id, transfer_id, tuple(block_ids), split_tp=split)
+        )
         self._pushing.add(request.request_id)
         return True, {
             "do_remote_prefill": True,
@@ -548,6 +566,7 @@ class _SchedulerSide:
             "kvpushd_node": self._node,
             "kvpushd_address": self._address,
             "kvpushd_fingerprint": self._sent_fingerprint,
+            "kvpushd_split_tp": split,
             # Which prompt the KV is of: the decode side checks it is its own.
             "kvpushd_prompt_len": len(request.prompt_token_ids),
             "kvpushd_prompt_digest": prompt_digest(request.prompt_token_ids),
@@ -579,12 +598,20 @@ def _remember(memory: dict[str, Any], key: str, value: Any) -> None:
         del memory[next(iter(memory))]
 
 
+def _split_of(params: dict[str, Any]) -> int | None:
+    """The TP size the prefill named its shares by (None: unsaid or unreadable, its own)."""
+    split = params.get("kvpushd_split_tp")
+    if isinstance(split, int) and not isinstance(split, bool) and 1 <= split <= MAX_RANKS:
+        return split
+    return None
+
+
 def _receive_spec(
     request_id: str, params: dict[str, Any], block_ids: Any, *, paired: bool = True
 ) -> ReceiveSpec:
     sent = params.get("kvpushd_fingerprint")
     sizes = [sent.get(key, 1) if isinstance(sent, dict) else 1 for key in ("tp_size", "pp_size")]
-    ranks, stages = (n if isinstance(n, int) and 1 <= n <= _MAX_RANKS else 1 for n in sizes)
+    ranks, stages = (n if isinstance(n, int) and 1 <= n <= MAX_RANKS else 1 for n in sizes)
     return ReceiveSpec(
         request_id,
         str(params["kvpushd_transfer_id"]),
@@ -594,6 +621,7 @@ def _receive_spec(
         ranks,
         paired=paired,
         source_stages=stages,
+        split_tp=_split_of(params) or ranks,
     )
 
 
@@ -712,8 +740,10 @@ class _WorkerSide:
         self._events: queue.SimpleQueue[rpc.Event | GaveUp | Freed | DaemonLost] = (
             queue.SimpleQueue()
         )
-        # transfer id -> (vLLM request id, generation), and the loads.
+        # Daemon request (a share of a push) -> (vLLM request id, generation),
+        # and each pushing request's shares not over yet.
         self._sending: dict[str, tuple[str, int]] = {}
+        self._pushes: dict[str, set[str]] = {}
         # Daemon request (a prefill rank's share) -> the load it is part of.
         self._receiving: dict[str, _Load] = {}
         self._done_sending: set[str] = set()
@@ -942,9 +972,14 @@ class _WorkerSide:
     def post(self, metadata: KvpushdConnectorMetadata) -> None:
         generation = self._generation
         for push in metadata.push:
-            push = dataclasses.replace(push, transfer_id=self._ours(push.transfer_id))
-            self._sending[push.transfer_id] = (push.request_id, generation)
-            self._spawn(self._push(push, generation))
+            shares = self._shares(push)
+            if not shares:
+                # A replica no decode rank reads from: nothing reads its blocks.
+                self._done_sending.add(push.request_id)
+            self._pushes[push.request_id] = {share.transfer_id for share in shares}
+            for share in shares:
+                self._sending[share.transfer_id] = (push.request_id, generation)
+                self._spawn(self._push(share, generation))
         for receive in metadata.receive:
             self._start_load(receive, generation)
         if metadata.abort:
@@ -952,9 +987,29 @@ class _WorkerSide:
         for forgone in metadata.forgo:
             self._forgo_all(forgone, generation)
 
-    def _ours(self, transfer_id: str) -> str:
-        """This rank's share of a transfer, as the daemon names it."""
-        return share_id(transfer_id, self._rank, self._tp_size, self._stage, self._pp_size)
+    def _shares(self, push: PushSpec) -> list[PushSpec]:
+        """This rank's shares of a push, each on the engine (or head slice) it is read from."""
+        split = push.split_tp or self._tp_size
+        targets: tuple[HeadTarget, ...] = (HeadTarget(self._rank, 0, 1),)
+        if split > self._tp_size:
+            targets = head_targets(self._rank, self._tp_size, split, self._instance.num_kv_heads)
+        sliced = any(target.slices > 1 for target in targets)
+        # The negative control's planted mis-mapping: each decode rank's
+        # share read from the next head slice (the daemon must refuse it).
+        swap = sliced and failpoints.corrupts("connector.swap_split")
+        shares = []
+        for target in targets:
+            share = share_id(push.transfer_id, target.share_rank, split, self._stage, self._pp_size)
+            engine_id = self._engine_id
+            if target.slices > 1 and not self._head_major:
+                # No slice is one run of each block: the share is given up
+                # (its decode rank's load fails at its deadline).
+                engine_id = ""
+            elif target.slices > 1:
+                index = (target.slice_index + swap) % target.slices
+                engine_id = self._slice(self._fingerprint.layer_range, index, target.slices)
+            shares.append(dataclasses.replace(push, transfer_id=share, engine_id=engine_id))
+        return shares
 
     def _start_load(self, receive: ReceiveSpec, generation: int) -> None:
         """Register one receiver per prefill rank that feeds this rank's blocks."""
@@ -1022,15 +1077,10 @@ class _WorkerSide:
                 self._forgo_unread(forgone, generation)
                 return
         if self._rank == 0 and self._stage == 0:
+            ranks = forgone.split_tp or forgone.source_ranks
             for stage in range(forgone.source_stages):
-                for rank in range(forgone.source_ranks):
-                    share = share_id(
-                        forgone.transfer_id,
-                        rank,
-                        forgone.source_ranks,
-                        stage,
-                        forgone.source_stages,
-                    )
+                for rank in range(ranks):
+                    share = share_id(forgone.transfer_id, rank, ranks, stage, forgone.source_stages)
                     forgone_share = dataclasses.replace(forgone, transfer_id=share, block_ids=())
                     self._spawn(self._forgo(forgone_share, generation))
 
@@ -1056,7 +1106,11 @@ class _WorkerSide:
     def _sources(self, receive: ReceiveSpec) -> list[_Source]:
         """The prefill ranks this rank loads from (UnmappableRanks: none can feed it)."""
         heads = head_sources(
-            self._rank, self._tp_size, receive.source_ranks, self._instance.num_kv_heads
+            self._rank,
+            self._tp_size,
+            receive.source_ranks,
+            self._instance.num_kv_heads,
+            receive.split_tp or receive.source_ranks,
         )
         if not self._head_major and any(source.slices > 1 for source in heads):
             raise UnmappableRanks(
@@ -1081,8 +1135,8 @@ class _WorkerSide:
         heads = source.heads
         share = share_id(
             receive.transfer_id,
-            heads.prefill_rank,
-            receive.source_ranks,
+            heads.share_rank,
+            receive.split_tp or receive.source_ranks,
             source.stage,
             receive.source_stages,
         )
@@ -1140,6 +1194,15 @@ class _WorkerSide:
         self._slices_registered.add(slice_id)
 
     async def _push(self, push: PushSpec, generation: int) -> None:
+        if not push.engine_id:
+            self._gave_up(
+                push.transfer_id,
+                RuntimeError(
+                    "vLLM's KV cache here is not head-major ([blocks, heads, ...]): the heads "
+                    "of a decode rank are not one run of each block"
+                ),
+            )
+            return
         try:
             client = self._need_client(generation)
             self._posted.add(push.transfer_id)
@@ -1187,8 +1250,9 @@ class _WorkerSide:
             await self._register_receiver(receive, generation)
 
     async def _register_pusher(self, push: PushSpec, client: EngineClient) -> None:
+        await self._engine_ready(push.engine_id)
         await client.register_request(
-            self._engine_id,
+            push.engine_id or self._engine_id,
             push.transfer_id,
             Role.PUSHER,
             [list(push.block_ids)],
@@ -1241,8 +1305,14 @@ class _WorkerSide:
             # is over (or never happens), vLLM may have them back.
             if isinstance(event, rpc.BlocksFreeable | rpc.RequestFailed | rpc.Released | GaveUp):
                 # Released: the daemon dropped it (a deadline, while we were
-                # away); a released pusher has no write left.
-                self._done_sending.add(self._sending.pop(transfer_id)[0])
+                # away); a released pusher has no write left. The blocks go
+                # back once every share of the request is over.
+                request_id, _ = self._sending.pop(transfer_id)
+                shares = self._pushes.get(request_id, set())
+                shares.discard(transfer_id)
+                if not shares:
+                    self._pushes.pop(request_id, None)
+                    self._done_sending.add(request_id)
                 self.stats.ended(_outcome(event, "pushed"))
                 if not isinstance(event, GaveUp | rpc.Released):
                     self._spawn(self._release(transfer_id))

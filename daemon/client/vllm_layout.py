@@ -27,7 +27,14 @@ from typing import Any, Final
 import msgspec
 
 from schemas.fingerprint import CONNECTOR_PROTOCOL, Fingerprint
-from statemachine.ranks import UnmappableRanks, head_sources, heads_of, stage_layers, stage_sources
+from statemachine.ranks import (
+    UnmappableRanks,
+    head_sources,
+    heads_of,
+    split_source,
+    stage_layers,
+    stage_sources,
+)
 
 # Parallel settings the connector serves only at 1, with the flag that sets
 # each. Tensor and pipeline parallelism are served (each rank pushes its own
@@ -40,6 +47,9 @@ SINGLE_RANK_SETTINGS: Final = (
     ("decode_context_parallel_size", "--decode-context-parallel-size"),
     ("prefill_context_parallel_size", "--prefill-context-parallel-size"),
 )
+
+# A TP or PP size read from kv_transfer_params is believed up to this.
+MAX_RANKS: Final = 256
 
 
 class UnsupportedLayout(ValueError):
@@ -133,19 +143,46 @@ def slice_fingerprint(
     return msgspec.structs.replace(instance, kv_head_range=heads, layer_range=layers)
 
 
-def rank_map_problem(prefill: Fingerprint, decode: Fingerprint) -> str | None:
+def rank_map_problem(
+    prefill: Fingerprint, decode: Fingerprint, split_tp: int | None = None
+) -> str | None:
     """Why the prefill instance's ranks cannot feed the decode instance's, or None.
 
-    Served: equal TP sizes or a prefill with a multiple of the decode's TP
+    Served: equal TP sizes, a prefill with a multiple of the decode's TP
     ranks (each decode rank's heads from several prefill ranks' whole
-    blocks), and equal PP sizes or prefill stages nested in the decode's
-    (each decode stage's layers from several prefill stages).
+    blocks), or a decode with a multiple of the prefill's that the prefill
+    split its push for (``split_tp``: each decode rank's heads from a slice
+    of one prefill rank's blocks); and equal PP sizes or prefill stages
+    nested in the decode's (each decode stage's layers from several prefill
+    stages).
     """
     try:
         for rank in range(decode.tp_size):
-            head_sources(rank, decode.tp_size, prefill.tp_size, decode.num_kv_heads)
+            head_sources(rank, decode.tp_size, prefill.tp_size, decode.num_kv_heads, split_tp)
         for stage in range(decode.pp_size):
             stage_sources(stage, decode.pp_size, prefill.pp_size, decode.num_layers)
     except UnmappableRanks as exc:
         return str(exc)
     return None
+
+
+def split_tp(instance: Fingerprint, decode_tp: object) -> int:
+    """The TP size this prefill instance names its shares by, told the decode's (or not).
+
+    The decode's, when the router named it on the prefill leg, it is larger
+    than this instance's, and this instance's ranks map onto its ranks head
+    for head (each prefill rank then pushes one share per decode rank it
+    feeds); this instance's own otherwise (a decode with more ranks refuses
+    such a push, and computes the prompt).
+    """
+    own = instance.tp_size
+    if not isinstance(decode_tp, int) or isinstance(decode_tp, bool):
+        return own
+    if not own < decode_tp <= MAX_RANKS:
+        return own
+    try:
+        for rank in range(decode_tp):
+            split_source(rank, decode_tp, own, instance.num_kv_heads)
+    except UnmappableRanks:
+        return own
+    return decode_tp

@@ -3,7 +3,10 @@
 The contract, the same for KvpushdConnector and vLLM's NixlPushConnector:
 
 1. the prefill server gets the prompt with ``max_tokens=1`` and
-   ``kv_transfer_params={"do_remote_decode": true}``;
+   ``kv_transfer_params={"do_remote_decode": true}``, plus the decode
+   server's TP size as ``kvpushd_decode_tp`` (KvpushdConnector splits its
+   push for a decode with more TP ranks only when told; other connectors
+   ignore the key);
 2. its answer's ``kv_transfer_params`` go unchanged to the decode server with
    the same prompt and the real ``max_tokens``;
 3. both requests carry the same ``X-Request-Id`` (NixlPushConnector pairs the
@@ -45,7 +48,7 @@ def route(
     """One request through the pair; the decode side's tokens and the TTFT."""
     request_id = f"pd-{uuid.uuid4().hex}"
     started = time.monotonic()
-    first = _prefill(prefill, prompt, request_id, timeout_s)
+    first = _prefill(prefill, prompt, request_id, timeout_s, decode.tp)
     params = _params_of(prefill, first)
     second = decode.stream(
         prompt, max_tokens, request_id=request_id, kv_transfer_params=params, timeout_s=timeout_s
@@ -56,21 +59,32 @@ def route(
 
 
 def prefill_leg(
-    prefill: VllmServer, prompt: Sequence[int], *, timeout_s: float = 120.0
+    prefill: VllmServer,
+    prompt: Sequence[int],
+    *,
+    decode_tp: int | None = None,
+    timeout_s: float = 120.0,
 ) -> dict[str, Any]:
-    """Step 1 alone: the ``kv_transfer_params`` the prefill server answers with."""
-    return _params_of(prefill, _prefill(prefill, prompt, None, timeout_s))
+    """Step 1 alone: the ``kv_transfer_params`` the prefill server answers with.
+
+    ``decode_tp``: the decode's TP size to name (None: unsaid, as vLLM's own
+    proxies send the prefill leg).
+    """
+    return _params_of(prefill, _prefill(prefill, prompt, None, timeout_s, decode_tp))
 
 
 def _prefill(
-    prefill: VllmServer, prompt: Sequence[int], request_id: str | None, timeout_s: float
+    prefill: VllmServer,
+    prompt: Sequence[int],
+    request_id: str | None,
+    timeout_s: float,
+    decode_tp: int | None,
 ) -> Completion:
+    params: dict[str, Any] = {"do_remote_decode": True}
+    if decode_tp is not None:
+        params["kvpushd_decode_tp"] = decode_tp
     return prefill.complete(
-        prompt,
-        1,
-        request_id=request_id,
-        kv_transfer_params={"do_remote_decode": True},
-        timeout_s=timeout_s,
+        prompt, 1, request_id=request_id, kv_transfer_params=params, timeout_s=timeout_s
     )
 
 
