@@ -141,8 +141,9 @@ POINTS: Final[Mapping[str, Point]] = MappingProxyType(
         ),
         "connector.swap_split": Point(
             "KvpushdConnector _WorkerSide._shares (daemon/client/vllm.py): a prefill rank "
-            "that splits its push for a decode with more ranks pushes each decode rank's "
-            "share from the next head slice (a planted rank mis-mapping; one hit per push)",
+            "that splits its push for a decode with more ranks or stages pushes each decode "
+            "rank's (and stage's) share from the next head (and layer) slice (a planted "
+            "rank mis-mapping; one hit per push)",
             io=False,
             corrupts=True,
         ),

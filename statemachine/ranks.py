@@ -248,9 +248,11 @@ def _replica(rank: int, tp_size: int, num_kv_heads: int) -> int:
 # (vllm/distributed/utils.py get_pp_indices, without VLLM_PP_LAYER_PARTITION;
 # the connector checks its own layers against this and refuses otherwise).
 # A decode stage takes each prefill stage's layers whole, into the layers of
-# its blocks that hold them; a prefill stage whose layers span two decode
-# stages would have to write into both (not served, as a decode with more TP
-# ranks than the prefill).
+# its blocks that hold them. A prefill stage whose layers span several decode
+# stages writes into each of them, from the layers of its blocks each holds,
+# only when it knows the decode's PP size as it registers its push (its
+# router says so, as for a decode with more TP ranks): it then names its
+# shares by the decode's stages, and the decode sees a prefill of its own PP.
 
 
 def stage_layers(stage: int, pp_size: int, num_layers: int) -> tuple[int, int]:
@@ -287,3 +289,28 @@ def stage_sources(
             )
         sources.append(stage)
     return tuple(sources)
+
+
+def stage_targets(
+    prefill_stage: int, prefill_pp: int, decode_pp: int, num_layers: int
+) -> tuple[int, ...]:
+    """The decode stages prefill stage ``prefill_stage`` pushes to when it splits for ``decode_pp``.
+
+    Each decode stage's layers must lie inside one prefill stage's (a decode
+    stage fed by two prefill stages is mapped without a split, by
+    :func:`stage_sources`); otherwise UnmappableRanks, saying which straddles.
+    """
+    first, end = stage_layers(prefill_stage, prefill_pp, num_layers)
+    targets: list[int] = []
+    for stage in range(decode_pp):
+        lo, hi = stage_layers(stage, decode_pp, num_layers)
+        if hi <= first or end <= lo:
+            continue
+        if not (first <= lo and hi <= end):
+            raise UnmappableRanks(
+                f"decode stage {stage} of {decode_pp} holds layers {lo}-{hi - 1}, which span "
+                f"two of the prefill's {prefill_pp} stages: a split push feeds each decode "
+                f"stage from one prefill stage"
+            )
+        targets.append(stage)
+    return tuple(targets)

@@ -195,7 +195,7 @@ def test_a_decode_with_more_ranks_than_the_prefill_is_refused_unless_the_push_wa
 
 # ---------------------------------------------------------- pipeline stages
 
-from statemachine.ranks import stage_layers, stage_sources  # noqa: E402
+from statemachine.ranks import stage_layers, stage_sources, stage_targets  # noqa: E402
 
 
 def test_stages_split_layers_as_vllm_does_the_remainder_before_the_last_stage() -> None:
@@ -234,3 +234,31 @@ def test_every_layer_of_every_decode_stage_has_exactly_one_prefill_stage(
 def test_a_prefill_stage_spanning_two_decode_stages_is_refused_with_why() -> None:
     with pytest.raises(UnmappableRanks, match="span two of the decode's 2 stages"):
         stage_sources(0, 2, 1, 2)
+
+
+@pytest.mark.parametrize("layers", [2, 4, 7, 8, 12, 32])
+@pytest.mark.parametrize(("p_pp", "d_pp"), [(1, 2), (1, 4), (2, 4), (1, 3), (2, 3), (3, 4)])
+def test_a_split_push_feeds_every_decode_stage_once_from_the_stage_holding_its_layers(
+    layers: int, p_pp: int, d_pp: int
+) -> None:
+    if d_pp > layers:
+        return
+    try:
+        fed = {s: stage_targets(s, p_pp, d_pp, layers) for s in range(p_pp)}
+    except UnmappableRanks as exc:
+        # Refused only where a decode stage straddles two prefill stages.
+        assert "span two of the prefill's" in str(exc)
+        cuts = {stage_layers(s, p_pp, layers)[0] for s in range(p_pp)}
+        assert any(
+            any(lo < cut < hi for cut in cuts)
+            for lo, hi in (stage_layers(t, d_pp, layers) for t in range(d_pp))
+        )
+        return
+    assert sorted(t for targets in fed.values() for t in targets) == list(range(d_pp))
+    for stage, targets in fed.items():
+        first, end = stage_layers(stage, p_pp, layers)
+        for target in targets:
+            lo, hi = stage_layers(target, d_pp, layers)
+            assert first <= lo and hi <= end, (stage, target)
+            # The decode stage sees a prefill of its own PP: itself, stage to stage.
+            assert stage_sources(target, d_pp, d_pp, layers) == (target,)

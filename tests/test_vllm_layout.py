@@ -19,6 +19,7 @@ from daemon.client.vllm_layout import (
     rank_fingerprint,
     rank_map_problem,
     slice_fingerprint,
+    split_pp,
     split_tp,
 )
 from schemas.fingerprint import CONNECTOR_PROTOCOL, Fingerprint
@@ -135,3 +136,27 @@ def test_a_prefill_splits_its_push_only_for_a_decode_tp_it_maps_onto(
 ) -> None:
     instance = msgspec.structs.replace(INSTANCE, tp_size=own)
     assert split_tp(instance, told) == split
+
+
+@pytest.mark.parametrize(
+    ("own", "layers", "told", "split"),
+    [
+        (1, 2, None, 1),  # unsaid (vLLM's own proxies): its own PP
+        (1, 2, 2, 2),
+        (2, 4, 4, 4),
+        (1, 2, 3, 1),  # more stages than layers
+        (2, 7, 3, 2),  # 7 layers: stages [4, 3] and [3, 2, 2]; a decode stage straddles
+        (2, 2, 1, 2),  # a decode with fewer stages takes whole shares
+        (1, 2, "2", 1),
+        (1, 2, 10**9, 1),
+    ],
+)
+def test_a_prefill_splits_its_push_only_for_a_decode_pp_whose_stages_nest_in_its_own(
+    own: int, layers: int, told: object, split: int
+) -> None:
+    instance = msgspec.structs.replace(INSTANCE, pp_size=own, num_layers=layers)
+    assert split_pp(instance, told) == split
+    if split > own:
+        decode = msgspec.structs.replace(INSTANCE, pp_size=told, num_layers=layers)
+        assert rank_map_problem(instance, decode, split_pp=split) is None
+        assert rank_map_problem(instance, decode) is not None

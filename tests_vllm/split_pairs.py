@@ -97,6 +97,7 @@ def load_split_across_ranks(
     prompt: list[int],
     suffixes: Sequence[str],
     decode_tp: int | None = None,
+    decode_pp: int | None = None,
 ) -> Engines:
     """One P/D request whose load is split over ranks; the engines its shares used.
 
@@ -105,12 +106,12 @@ def load_split_across_ranks(
     hit there), the external-KV counter moved by the prompt, every share
     (the transfer id + each of ``suffixes``) was written and released on
     both daemons, and every written block passed the integrity check.
-    ``decode_tp``: the decode's TP size, named on the prefill leg.
+    ``decode_tp``, ``decode_pp``: the decode's sizes, named on the prefill leg.
     """
     (p, prefill), (d, decode) = prefill_side, decode_side
     verified = decode.status()["counters"]["integrity_blocks_verified"]
     single = p.complete(prompt, TOKENS).token_ids
-    sent = prefill_leg(p, prompt, decode_tp=decode_tp)
+    sent = prefill_leg(p, prompt, decode_tp=decode_tp, decode_pp=decode_pp)
     before = d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer")
     assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single, len(prompt)
     loaded = d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer") - before
@@ -152,3 +153,33 @@ def not_paired(prefill_side: Side, decode_side: Side, prompt: list[int], field_n
     assert f"field {field_name!r} differs" in refused.message, refused.message
     (failed,) = [e for e in decode.journal_events(transfer) if isinstance(e, Failed)]
     assert failed.reason is Reason.FINGERPRINT_MISMATCH
+
+
+def a_split_push_mis_mapped_is_refused(
+    prefill_side: Side,
+    decode_side: Side,
+    suffixes: Sequence[str],
+    field_name: str,
+    decode_tp: int | None = None,
+    decode_pp: int | None = None,
+) -> None:
+    """The negative control of a split push: each share read from the wrong slice.
+
+    Armed by ``connector.swap_split`` on the prefill's first split push:
+    the prefill daemon refuses every share's pairing naming ``field_name``,
+    no write lands, every share ends released, and the decode (its failed
+    load recomputed, split_pair's policy) still gives the right tokens.
+    """
+    (p, prefill), (d, decode) = prefill_side, decode_side
+    prompt = [(7 * i) % 509 + 2 for i in range(96)]
+    single = p.complete(prompt, TOKENS).token_ids
+    sent = prefill_leg(p, prompt, decode_tp=decode_tp, decode_pp=decode_pp)
+    assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
+    wait_idle(prefill, decode, timeout=10)
+    for suffix in suffixes:
+        share = f"{sent['kvpushd_transfer_id']}{suffix}"
+        refused = the_pairing_refusal(prefill.journal_events(share))
+        assert f"field {field_name!r} differs" in refused.message, refused.message
+        events = decode.journal_events(share)
+        assert not [e for e in events if isinstance(e, WriteDone)], events
+        assert isinstance(events[-1], Released), events

@@ -5,9 +5,13 @@ each stage's share (``T@pp<s>``) into the layers of the decode's blocks
 that hold that stage's layers (a layer-slice engine over the decode's one
 buffer, ``<engine>-L<first>-<end>``), and the decode's load ends when both
 stages' writes landed, with ``verify = "all"`` checking every written
-layer end to end. A prefill with fewer stages than the decode would write
-into two decode stages: the decode computes the prompt, and the prefill
-daemon refuses the pairing by the layers it names.
+layer end to end. A prefill with fewer stages than the decode writes into
+several decode stages: when its router names the decode's PP size on the
+prefill leg (``kvpushd_decode_pp``) it pushes one share per decode stage,
+each from the layers of its blocks that stage holds (a layer-slice engine
+on the prefill), into the stage's whole blocks. Not told (vLLM's own
+proxies), the decode computes the prompt, and the prefill daemon refuses
+the pairing by the layers it names.
 
 The oracle: the decode's greedy tokens equal the PP 2 instance's alone
 (pipeline stages split the layers, not any sum, so the tokens are those of
@@ -22,7 +26,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from split_pairs import Shape, Side, load_split_across_ranks, not_paired, split_pair
+from split_pairs import (
+    Shape,
+    Side,
+    a_split_push_mis_mapped_is_refused,
+    load_split_across_ranks,
+    not_paired,
+    split_pair,
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +44,11 @@ def pp2_and_pp1(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     fails the first request (``intermediate_tensors`` is None), with or
     without a KV connector.
     """
-    shapes = [Shape("staged", pp=2, eager=False), Shape("whole")]
+    shapes = [
+        Shape("staged", pp=2, eager=False),
+        # The negative control's planted mis-mapping, on its first split push.
+        Shape("whole", env={"KVPUSHD_FAILPOINTS": "connector.swap_split=corrupt@1"}),
+    ]
     with split_pair(tiny_model, tmp_path_factory.mktemp("pd-pp"), shapes) as sides:
         yield sides
 
@@ -54,9 +69,26 @@ def test_pp2_prefill_fills_each_stages_layers_of_a_pp1_decode_token_exact(pp2_an
     ]
 
 
-def test_a_pp1_prefill_cannot_feed_a_pp2_decode_and_the_decode_computes_the_prompt(
+def test_a_pp1_prefill_told_the_decodes_pp_fills_each_stage_from_its_layers(
     pp2_and_pp1,
 ) -> None:
+    staged, whole = pp2_and_pp1
+    # First (the failpoint fires on the prefill's first split push).
+    a_split_push_mis_mapped_is_refused(whole, staged, ("@pp0", "@pp1"), "layer_range", decode_pp=2)
+    rng = random.Random(43)
+    for length in (40, 200):
+        prompt = [rng.randrange(2, 512) for _ in range(length)]
+        engines = load_split_across_ranks(whole, staged, prompt, ("@pp0", "@pp1"), decode_pp=2)
+        # Each decode stage loaded on its own engine, each share read from
+        # the layer slice of the prefill's blocks holding that stage's layers.
+        assert sorted(e.rsplit("-", 1)[-1] for e in engines.decode) == ["pp0", "pp1"], engines
+        assert sorted(e.rsplit("-L", 1)[-1] for e in engines.prefill) == ["0-1", "1-2"], engines
+
+
+def test_a_pp1_prefill_not_told_the_decodes_pp_cannot_feed_it_and_the_decode_computes(
+    pp2_and_pp1,
+) -> None:
+    # vLLM's own proxies send the prefill leg without the decode's PP size.
     decode_side, prefill_side = pp2_and_pp1
     rng = random.Random(42)
     prompt = [rng.randrange(2, 512) for _ in range(96)]

@@ -46,7 +46,15 @@ from pathlib import Path
 
 import pytest
 from refusals import the_pairing_refusal
-from split_pairs import TOKENS, Shape, Side, load_split_across_ranks, not_paired, split_pair
+from split_pairs import (
+    TOKENS,
+    Shape,
+    Side,
+    a_split_push_mis_mapped_is_refused,
+    load_split_across_ranks,
+    not_paired,
+    split_pair,
+)
 
 from daemon.cli import main
 from daemon.sim.launcher import Daemon, wait_idle
@@ -197,8 +205,8 @@ def test_a_tp1_prefill_told_the_decodes_tp_fills_each_tp2_rank_from_a_head_slice
     tp2_and_tp1,
 ) -> None:
     # First (the failpoint fires on the prefill's first split push): the negative control.
-    _a_split_push_mis_mapped_is_refused_by_its_heads(tp2_and_tp1)
     two, one = tp2_and_tp1
+    a_split_push_mis_mapped_is_refused(one, two, ("@tp0", "@tp1"), "kv_head_range", decode_tp=2)
     rng = random.Random(33)
     for length in (40, 200):
         prompt = [rng.randrange(2, 512) for _ in range(length)]
@@ -207,26 +215,6 @@ def test_a_tp1_prefill_told_the_decodes_tp_fills_each_tp2_rank_from_a_head_slice
         # each share read from the prefill's slice holding that rank's head.
         assert sorted(e.rsplit("-", 1)[-1] for e in engines.decode) == ["tp0", "tp1"], engines
         assert sorted(e.rsplit("-kvh", 1)[-1] for e in engines.prefill) == ["0-1", "1-2"], engines
-
-
-def _a_split_push_mis_mapped_is_refused_by_its_heads(tp2_and_tp1: list[Side]) -> None:
-    (d, decode), (p, prefill) = tp2_and_tp1
-    rng = random.Random(34)
-    prompt = [rng.randrange(2, 512) for _ in range(96)]
-    single = p.complete(prompt, TOKENS).token_ids  # the TP 1 instance: the TP 2 tokens too
-    sent = prefill_leg(p, prompt, decode_tp=2)
-    assert sent["kvpushd_split_tp"] == 2
-    # The failed load is recomputed (split_pair's policy): never wrong tokens.
-    assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
-    wait_idle(prefill, decode, timeout=10)
-    transfer = sent["kvpushd_transfer_id"]
-    for rank in (0, 1):
-        share = f"{transfer}@tp{rank}"
-        refused = the_pairing_refusal(prefill.journal_events(share))
-        assert "field 'kv_head_range' differs" in refused.message, refused.message
-        events = decode.journal_events(share)
-        assert not [e for e in events if isinstance(e, WriteDone)], events
-        assert isinstance(events[-1], Released), events
 
 
 def test_a_tp1_prefill_not_told_the_decodes_tp_cannot_feed_it_and_the_decode_computes(

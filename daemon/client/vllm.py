@@ -114,6 +114,7 @@ from daemon.client.vllm_layout import (
     rank_fingerprint,
     rank_map_problem,
     slice_fingerprint,
+    split_pp,
     split_tp,
 )
 from schemas import rpc
@@ -132,6 +133,7 @@ from statemachine.ranks import (
     share_id,
     stage_layers,
     stage_sources,
+    stage_targets,
 )
 
 if TYPE_CHECKING:
@@ -163,6 +165,9 @@ _MAX_SEEN = 65536
 _ACROSS_RANKS = ("tp_size", "pp_size", "kv_head_range", "layer_range")
 # How a prefill request must have ended for its KV to be pushed: its prompt
 # was computed (it stopped, or hit its length). An abort pushes nothing.
+# In the prefill's answer: the TP and PP sizes its shares are named by.
+TP_SPLIT = "kvpushd_split_tp"
+PP_SPLIT = "kvpushd_split_pp"
 _COMPUTED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED})
 
 
@@ -170,8 +175,9 @@ _COMPUTED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LE
 class PushSpec:
     """A finished prefill request whose blocks the daemon pushes.
 
-    ``split_tp``: the TP size naming the shares (the decode's when this
-    instance splits its push for a decode with more ranks; 0: its own).
+    ``split_tp``/``split_pp``: the TP and PP sizes naming the shares (the
+    decode's when this instance splits its push for a decode with more
+    ranks or stages; 0: its own).
     ``engine_id``: the engine (this rank's, or a head slice of it) the
     worker registers the pusher on; "" until the worker chose.
     """
@@ -180,6 +186,7 @@ class PushSpec:
     transfer_id: str
     block_ids: tuple[int, ...]
     split_tp: int = 0
+    split_pp: int = 0
     engine_id: str = ""
 
 
@@ -495,7 +502,9 @@ class _SchedulerSide:
                 f"the prefill's KV fingerprint differs in {field_name} (prefill {theirs!r}, "
                 f"this instance {ours!r})"
             )
-        unmappable = rank_map_problem(sent, self._fingerprint, _split_of(params))
+        unmappable = rank_map_problem(
+            sent, self._fingerprint, _split_of(params, TP_SPLIT), _split_of(params, PP_SPLIT)
+        )
         if unmappable is not None:
             return vs.FINGERPRINT, f"the two instances' ranks do not pair: {unmappable}"
         prompt = request.prompt_token_ids
@@ -552,11 +561,15 @@ class _SchedulerSide:
             self.stats.not_loaded(vs.NOT_NEEDED)
             return False, None
         transfer_id = request.request_id
-        # A decode with more TP ranks, named by the router: each rank pushes
-        # one share per decode rank it feeds (statemachine/ranks.py).
-        split = split_tp(self._fingerprint, params.get("kvpushd_decode_tp"))
+        # A decode with more TP ranks or stages, named by the router: each
+        # rank pushes one share per decode rank (and stage) it feeds
+        # (statemachine/ranks.py).
+        by_tp = split_tp(self._fingerprint, params.get("kvpushd_decode_tp"))
+        by_pp = split_pp(self._fingerprint, params.get("kvpushd_decode_pp"))
         self._pending.push.append(
-            PushSpec(request.request_id, transfer_id, tuple(block_ids), split_tp=split)
+            PushSpec(
+                request.request_id, transfer_id, tuple(block_ids), split_tp=by_tp, split_pp=by_pp
+            )
         )
         self._pushing.add(request.request_id)
         return True, {
@@ -566,7 +579,8 @@ class _SchedulerSide:
             "kvpushd_node": self._node,
             "kvpushd_address": self._address,
             "kvpushd_fingerprint": self._sent_fingerprint,
-            "kvpushd_split_tp": split,
+            TP_SPLIT: by_tp,
+            PP_SPLIT: by_pp,
             # Which prompt the KV is of: the decode side checks it is its own.
             "kvpushd_prompt_len": len(request.prompt_token_ids),
             "kvpushd_prompt_digest": prompt_digest(request.prompt_token_ids),
@@ -598,9 +612,9 @@ def _remember(memory: dict[str, Any], key: str, value: Any) -> None:
         del memory[next(iter(memory))]
 
 
-def _split_of(params: dict[str, Any]) -> int | None:
-    """The TP size the prefill named its shares by (None: unsaid or unreadable, its own)."""
-    split = params.get("kvpushd_split_tp")
+def _split_of(params: dict[str, Any], key: str) -> int | None:
+    """The TP or PP size the prefill named its shares by (None: unsaid or unreadable, its own)."""
+    split = params.get(key)
     if isinstance(split, int) and not isinstance(split, bool) and 1 <= split <= MAX_RANKS:
         return split
     return None
@@ -620,8 +634,9 @@ def _receive_spec(
         str(params.get("kvpushd_address", "")),
         ranks,
         paired=paired,
-        source_stages=stages,
-        split_tp=_split_of(params) or ranks,
+        # Shares split for this instance's stages look like a prefill of its PP.
+        source_stages=_split_of(params, PP_SPLIT) or stages,
+        split_tp=_split_of(params, TP_SPLIT) or ranks,
     )
 
 
@@ -988,28 +1003,48 @@ class _WorkerSide:
             self._forgo_all(forgone, generation)
 
     def _shares(self, push: PushSpec) -> list[PushSpec]:
-        """This rank's shares of a push, each on the engine (or head slice) it is read from."""
+        """This rank's shares of a push, each on the engine (or slice) it is read from.
+
+        One per (decode stage, decode rank) it feeds when it split its push
+        for more of them; else its own one share.
+        """
         split = push.split_tp or self._tp_size
         targets: tuple[HeadTarget, ...] = (HeadTarget(self._rank, 0, 1),)
         if split > self._tp_size:
             targets = head_targets(self._rank, self._tp_size, split, self._instance.num_kv_heads)
-        sliced = any(target.slices > 1 for target in targets)
-        # The negative control's planted mis-mapping: each decode rank's
-        # share read from the next head slice (the daemon must refuse it).
+        stages, layers = push.split_pp or self._pp_size, self._instance.num_layers
+        into: tuple[int, ...] = (self._stage,)
+        if stages > self._pp_size:
+            into = stage_targets(self._stage, self._pp_size, stages, layers)
+        sliced = len(into) > 1 or any(target.slices > 1 for target in targets)
+        # The negative control's planted mis-mapping: each decode rank's (and
+        # stage's) share read from the next slice (the daemon must refuse it).
         swap = sliced and failpoints.corrupts("connector.swap_split")
         shares = []
-        for target in targets:
-            share = share_id(push.transfer_id, target.share_rank, split, self._stage, self._pp_size)
-            engine_id = self._engine_id
-            if target.slices > 1 and not self._head_major:
-                # No slice is one run of each block: the share is given up
-                # (its decode rank's load fails at its deadline).
-                engine_id = ""
-            elif target.slices > 1:
+        for i, stage in enumerate(into):
+            held = stage_layers(into[(i + swap) % len(into)], stages, layers)
+            for target in targets:
+                share = share_id(push.transfer_id, target.share_rank, split, stage, stages)
                 index = (target.slice_index + swap) % target.slices
-                engine_id = self._slice(self._fingerprint.layer_range, index, target.slices)
-            shares.append(dataclasses.replace(push, transfer_id=share, engine_id=engine_id))
+                engine_id = self._source_engine(held, index, target.slices)
+                shares.append(dataclasses.replace(push, transfer_id=share, engine_id=engine_id))
         return shares
+
+    def _source_engine(self, layers: tuple[int, int], index: int, slices: int) -> str:
+        """The engine a split share is read from: this rank's, or a slice of its blocks.
+
+        "" where no slice is one run of each block (the cache is not
+        head-major, or the layers are not one run of the group): the share
+        is given up, and its decode rank's load fails at its deadline.
+        """
+        if slices == 1 and layers == self._fingerprint.layer_range:
+            return self._engine_id
+        if slices > 1 and not self._head_major:
+            return ""
+        whole = layers == self._fingerprint.layer_range
+        if not whole and not _holds_run(self._layer_ids or [], *layers):
+            return ""
+        return self._slice(layers, index, slices)
 
     def _start_load(self, receive: ReceiveSpec, generation: int) -> None:
         """Register one receiver per prefill rank that feeds this rank's blocks."""
@@ -1198,8 +1233,8 @@ class _WorkerSide:
             self._gave_up(
                 push.transfer_id,
                 RuntimeError(
-                    "vLLM's KV cache here is not head-major ([blocks, heads, ...]): the heads "
-                    "of a decode rank are not one run of each block"
+                    "the KV a decode rank holds is not one run of each block here (the cache "
+                    "is not head-major [blocks, heads, ...], or the layers not one run)"
                 ),
             )
             return

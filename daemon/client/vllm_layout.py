@@ -34,6 +34,7 @@ from statemachine.ranks import (
     split_source,
     stage_layers,
     stage_sources,
+    stage_targets,
 )
 
 # Parallel settings the connector serves only at 1, with the flag that sets
@@ -144,7 +145,10 @@ def slice_fingerprint(
 
 
 def rank_map_problem(
-    prefill: Fingerprint, decode: Fingerprint, split_tp: int | None = None
+    prefill: Fingerprint,
+    decode: Fingerprint,
+    split_tp: int | None = None,
+    split_pp: int | None = None,
 ) -> str | None:
     """Why the prefill instance's ranks cannot feed the decode instance's, or None.
 
@@ -154,16 +158,24 @@ def rank_map_problem(
     split its push for (``split_tp``: each decode rank's heads from a slice
     of one prefill rank's blocks); and equal PP sizes or prefill stages
     nested in the decode's (each decode stage's layers from several prefill
-    stages).
+    stages), or a decode with more stages that the prefill split its push
+    for (``split_pp``: each decode stage then sees a prefill of its own PP).
     """
     try:
         for rank in range(decode.tp_size):
             head_sources(rank, decode.tp_size, prefill.tp_size, decode.num_kv_heads, split_tp)
         for stage in range(decode.pp_size):
-            stage_sources(stage, decode.pp_size, prefill.pp_size, decode.num_layers)
+            stage_sources(stage, decode.pp_size, split_pp or prefill.pp_size, decode.num_layers)
     except UnmappableRanks as exc:
         return str(exc)
     return None
+
+
+def _told(value: object, own: int) -> int | None:
+    """A size the router named, if it is one larger than ``own`` (None otherwise)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return None
+    return value if own < value <= MAX_RANKS else None
 
 
 def split_tp(instance: Fingerprint, decode_tp: object) -> int:
@@ -176,13 +188,30 @@ def split_tp(instance: Fingerprint, decode_tp: object) -> int:
     such a push, and computes the prompt).
     """
     own = instance.tp_size
-    if not isinstance(decode_tp, int) or isinstance(decode_tp, bool):
-        return own
-    if not own < decode_tp <= MAX_RANKS:
+    told = _told(decode_tp, own)
+    if told is None:
         return own
     try:
-        for rank in range(decode_tp):
-            split_source(rank, decode_tp, own, instance.num_kv_heads)
+        for rank in range(told):
+            split_source(rank, told, own, instance.num_kv_heads)
     except UnmappableRanks:
         return own
-    return decode_tp
+    return told
+
+
+def split_pp(instance: Fingerprint, decode_pp: object) -> int:
+    """The PP size this prefill instance names its shares by, told the decode's (or not).
+
+    As :func:`split_tp`, for stages: the decode's when it is larger and each
+    of its stages' layers lies inside one of this instance's stages.
+    """
+    own = instance.pp_size
+    told = _told(decode_pp, own)
+    if told is None or told > instance.num_layers:
+        return own
+    try:
+        for stage in range(own):
+            stage_targets(stage, own, told, instance.num_layers)
+    except UnmappableRanks:
+        return own
+    return told

@@ -4,9 +4,10 @@ The contract, the same for KvpushdConnector and vLLM's NixlPushConnector:
 
 1. the prefill server gets the prompt with ``max_tokens=1`` and
    ``kv_transfer_params={"do_remote_decode": true}``, plus the decode
-   server's TP size as ``kvpushd_decode_tp`` (KvpushdConnector splits its
-   push for a decode with more TP ranks only when told; other connectors
-   ignore the key);
+   server's TP and PP sizes as ``kvpushd_decode_tp`` and
+   ``kvpushd_decode_pp`` (KvpushdConnector splits its push for a decode
+   with more TP ranks or stages only when told; other connectors ignore
+   the keys);
 2. its answer's ``kv_transfer_params`` go unchanged to the decode server with
    the same prompt and the real ``max_tokens``;
 3. both requests carry the same ``X-Request-Id`` (NixlPushConnector pairs the
@@ -48,7 +49,7 @@ def route(
     """One request through the pair; the decode side's tokens and the TTFT."""
     request_id = f"pd-{uuid.uuid4().hex}"
     started = time.monotonic()
-    first = _prefill(prefill, prompt, request_id, timeout_s, decode.tp)
+    first = _prefill(prefill, prompt, request_id, timeout_s, decode.tp, decode.pp)
     params = _params_of(prefill, first)
     second = decode.stream(
         prompt, max_tokens, request_id=request_id, kv_transfer_params=params, timeout_s=timeout_s
@@ -63,14 +64,16 @@ def prefill_leg(
     prompt: Sequence[int],
     *,
     decode_tp: int | None = None,
+    decode_pp: int | None = None,
     timeout_s: float = 120.0,
 ) -> dict[str, Any]:
     """Step 1 alone: the ``kv_transfer_params`` the prefill server answers with.
 
-    ``decode_tp``: the decode's TP size to name (None: unsaid, as vLLM's own
-    proxies send the prefill leg).
+    ``decode_tp``, ``decode_pp``: the decode's sizes to name (None: unsaid,
+    as vLLM's own proxies send the prefill leg).
     """
-    return _params_of(prefill, _prefill(prefill, prompt, None, timeout_s, decode_tp))
+    answer = _prefill(prefill, prompt, None, timeout_s, decode_tp, decode_pp)
+    return _params_of(prefill, answer)
 
 
 def _prefill(
@@ -79,10 +82,12 @@ def _prefill(
     request_id: str | None,
     timeout_s: float,
     decode_tp: int | None,
+    decode_pp: int | None,
 ) -> Completion:
     params: dict[str, Any] = {"do_remote_decode": True}
-    if decode_tp is not None:
-        params["kvpushd_decode_tp"] = decode_tp
+    for key, size in (("kvpushd_decode_tp", decode_tp), ("kvpushd_decode_pp", decode_pp)):
+        if size is not None:
+            params[key] = size
     return prefill.complete(
         prompt, 1, request_id=request_id, kv_transfer_params=params, timeout_s=timeout_s
     )
