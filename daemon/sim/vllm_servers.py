@@ -399,20 +399,20 @@ def _completion(
     return body, headers
 
 
-def nixl_push_connector_config(**more: Any) -> str:
-    """``--kv-transfer-config`` for vLLM's own NixlPushConnector over host memory.
+# vLLM's own NIXL connectors: push (pairs the two sides by the router's
+# ``X-Request-Id``) and pull (the decode reads the prefill's blocks).
+NIXL_PUSH, NIXL_PULL = "NixlPushConnector", "NixlConnector"
+
+
+def nixl_connector_config(connector: str = NIXL_PUSH, **more: Any) -> str:
+    """``--kv-transfer-config`` for one of vLLM's own NIXL connectors over host memory.
 
     Each server also needs its own ``VLLM_NIXL_SIDE_CHANNEL_PORT`` (see
-    :func:`nixl_push_pd`), and a router sends the same ``X-Request-Id`` to
-    both servers (push mode pairs the two sides by it).
+    :func:`nixl_pd`); for the push connector a router sends the same
+    ``X-Request-Id`` to both servers.
     """
     return json.dumps(
-        {
-            "kv_connector": "NixlPushConnector",
-            "kv_role": "kv_both",
-            "kv_buffer_device": "cpu",
-            **more,
-        }
+        {"kv_connector": connector, "kv_role": "kv_both", "kv_buffer_device": "cpu", **more}
     )
 
 
@@ -559,29 +559,35 @@ def remove_vllm_shm_segments(names: Iterable[str]) -> None:
 
 
 @contextlib.contextmanager
-def nixl_push_pd(
-    model: Path, workdir: Path, *, eager: bool = True, tp: int = 1
+def nixl_pd(
+    model: Path,
+    workdir: Path,
+    *,
+    connector: str = NIXL_PUSH,
+    eager: bool = True,
+    prefill_tp: int = 1,
+    decode_tp: int = 1,
 ) -> Iterator[tuple[VllmServer, VllmServer]]:
-    """vLLM's own P/D anchor: NixlPushConnector on both servers, one core each.
+    """vLLM's own P/D anchor: one of its NIXL connectors on both servers, one core each.
 
-    Yields (prefill server, decode server); no daemon is involved. ``tp``
-    is both servers' tensor-parallel size.
+    Yields (prefill server, decode server); no daemon is involved.
     """
     cores = sorted(os.sched_getaffinity(0))
     shm_before = vllm_shm_segments()
+    tag = "nixl" if connector == NIXL_PUSH else "pull"
     servers = [
         VllmServer(
-            name, model, workdir, core=core, eager=eager, tp=tp,
-            extra_args=["--kv-transfer-config", nixl_push_connector_config()],
+            f"{tag}-{name}", model, workdir / tag, core=core, eager=eager, tp=tp,
+            extra_args=["--kv-transfer-config", nixl_connector_config(connector)],
             env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
         )
-        for name, core in (("nixl-P", cores[0]), ("nixl-D", cores[-1]))
+        for name, core, tp in (("P", cores[0], prefill_tp), ("D", cores[-1], decode_tp))
     ]  # fmt: skip
     try:
         with running(*servers):
             yield servers[0], servers[1]
     finally:
-        if tp > 1:
+        if max(prefill_tp, decode_tp) > 1:
             remove_vllm_shm_segments(vllm_shm_segments() - shm_before)
 
 
