@@ -126,6 +126,17 @@ class PeerSettled(_RequestEvent, frozen=True, tag="peer_settled"):
     fenced: bool = False
 
 
+class Held(_RequestEvent, frozen=True, tag="held"):
+    """Pusher side: the decode side will load this request, but waits for blocks.
+
+    The pusher keeps waiting for its receiver until ``until`` (journal time):
+    the decode daemon said so for an engine whose request is queued
+    (``rpc.Hold``), bounded by this daemon's ``[deadlines] held``.
+    """
+
+    until: float
+
+
 class ReleaseDeferred(_RequestEvent, frozen=True, tag="release_deferred"):
     """The engine asked to release while a write may be in flight."""
 
@@ -176,6 +187,7 @@ Event = (
     | Released
     | Refused
     | IntegrityMismatch
+    | Held
 )
 
 RequestEvent = (
@@ -191,6 +203,7 @@ RequestEvent = (
     | Released
     | Refused
     | IntegrityMismatch
+    | Held
 )
 
 

@@ -130,6 +130,13 @@ class Digests(_Peer, frozen=True, tag="digests"):
     dst: tuple[tuple[int, ...], ...]
 
 
+class Hold(_Peer, frozen=True, tag="hold"):
+    """Receiver -> pusher: the decode engine will register this request once it has blocks."""
+
+    request_id: str
+    incarnation: int
+
+
 class Cancel(_Peer, frozen=True, tag="cancel"):
     """Receiver -> pusher: the decode engine gave the request up."""
 
@@ -151,4 +158,5 @@ PeerMessage = (
     | WriteFailed
     | Cancel
     | Digests
+    | Hold
 )

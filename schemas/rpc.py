@@ -88,11 +88,27 @@ class Abort(_Request, frozen=True, tag="abort"):
     incarnation: int = 1
 
 
+class Hold(_Request, frozen=True, tag="hold"):
+    """Decode side: this engine will load ``request_id`` from ``peer`` once it has blocks.
+
+    Sent while the decode engine's request waits in its queue, before it
+    can register a receiver: the decode daemon tells the prefill daemon
+    (dialled at ``peer_address`` if no link is up, as a receiver's), which
+    keeps the push waiting for the receiver a ``registered`` deadline more,
+    up to its ``[deadlines] held`` bound. Nothing is journaled here.
+    """
+
+    request_id: str
+    peer: str
+    peer_address: str = ""
+    incarnation: int = 1
+
+
 class Status(_Request, frozen=True, tag="status"):
     pass
 
 
-Request = Hello | RegisterEngine | RegisterRequest | KvReady | Release | Abort | Status
+Request = Hello | RegisterEngine | RegisterRequest | KvReady | Release | Abort | Hold | Status
 
 
 # ---------------------------------------------------------------- replies

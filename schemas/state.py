@@ -35,6 +35,9 @@ class Deadlines(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     writing: float = 30.0
     done: float = 120.0
     failed: float = 60.0
+    # The longest a pusher waits for its receiver, from its registration,
+    # while the decode side holds it (its request queued for blocks).
+    held: float = 120.0
 
     def for_state(self, state: State) -> float:
         return getattr(self, state.value)

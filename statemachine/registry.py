@@ -34,6 +34,7 @@ from schemas.events import (
     EngineDetached,
     Event,
     Failed,
+    Held,
     KvReady,
     PeerRegistered,
     Refused,
@@ -457,6 +458,22 @@ class Registry:
         return PeerRegistered(
             request_id, incarnation, peer, engine_id, blocks, per_logical, fingerprint
         )
+
+    def check_hold(self, record: RequestRecord, now: float) -> Held | None:
+        """The decode side's word that it will load ``record`` once it has blocks.
+
+        The pusher then waits for its receiver until ``now`` plus its
+        ``registered`` deadline, never past its registration plus ``held``
+        (the operator's bound). None when that would not lengthen the wait.
+        Raises :class:`Refusal` for a receiver, or a pusher whose receiver
+        already registered or that left ``registered``.
+        """
+        if record.role is not PUSHER:
+            raise Refusal(Reason.ROLE_MISMATCH, f"request {record.request_id} is a receiver here")
+        event_until = min(now + self.deadlines.registered, record.entered_at + self.deadlines.held)
+        held = Held(record.request_id, record.incarnation, event_until)
+        apply_transition(record, held, now, self._seconds)  # refused by the table or a guard
+        return held if event_until > record.deadline else None
 
     def check_kv_ready(self, record: RequestRecord) -> KvReady:
         """The prefill engine's word that the KV is computed: pushers only."""

@@ -24,6 +24,7 @@ import msgspec
 
 from schemas.events import (
     Failed,
+    Held,
     IntegrityMismatch,
     KvReady,
     PeerRegistered,
@@ -55,6 +56,7 @@ TRANSITIONS: Final = _frozen({
     # role      state          event             -> next state
     (PUSHER,   REGISTERED): {PeerRegistered:   REGISTERED,
                              KvReady:          REGISTERED,
+                             Held:             REGISTERED,
                              Trimmed:          TRIMMED,
                              Failed:           FAILED},
     (PUSHER,   TRIMMED):    {KvReady:          TRIMMED,
@@ -130,6 +132,9 @@ GUARDS: Final[Mapping[type, Callable[[RequestRecord], str | None]]] = MappingPro
             "the receiver's registration already arrived" if r.remote_blocks is not None else None
         ),
         KvReady: lambda r: "the KV was already reported ready" if r.kv_ready else None,
+        Held: lambda r: (
+            "the receiver's registration already arrived" if r.remote_blocks is not None else None
+        ),
     }
 )
 
@@ -189,6 +194,11 @@ def _set_failed(r: RequestRecord, e: Failed, state: State, at: float, due: float
     )
 
 
+def _set_held(r: RequestRecord, e: Held, state: State, at: float, due: float) -> RequestRecord:
+    # A hold only ever lengthens the wait (a late, shorter one changes nothing).
+    return _replace(r, state=state, entered_at=at, deadline=max(due, e.until))
+
+
 def _set_release_pending(
     r: RequestRecord, e: Any, state: State, at: float, due: float
 ) -> RequestRecord:
@@ -209,6 +219,7 @@ SETTERS: Final[Mapping[type, _Setter]] = MappingProxyType(
         ReleaseDeferred: _set_release_pending,
         Released: _set_nothing,
         IntegrityMismatch: _set_nothing,
+        Held: _set_held,
     }
 )
 

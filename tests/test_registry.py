@@ -781,3 +781,38 @@ def test_pending_deadline_applies_while_other_incarnation_is_live() -> None:
     assert len(pend) == 1
     _returned_events_apply(n, n.reg.on_deadline(pend[0]))
     assert "w" not in n.reg.pending
+
+
+# ------------------------------------------------------------------ holds
+
+
+def test_a_hold_extends_a_waiting_pusher_by_one_registered_deadline_up_to_the_bound() -> None:
+    n = Node(deadlines=Deadlines(registered=10.0, held=25.0))
+    rec = n.register("p", PUSHER, [[1, 2]])
+    assert rec.deadline == 10.0
+    n.now = 6.0
+    held = n.reg.check_hold(rec, n.now)
+    assert held is not None and held.until == 16.0
+    rec = n.do(held)
+    assert rec is not None and rec.deadline == 16.0
+    n.now = 20.0  # the bound (registration + 25) caps the next one
+    held = n.reg.check_hold(rec, n.now)
+    assert held is not None and held.until == 25.0
+    rec = n.do(held)
+    assert rec is not None
+    # At the bound a hold lengthens nothing: nothing to journal.
+    assert n.reg.check_hold(rec, 24.0) is None
+    assert [r.request_id for r in n.reg.expired(25.0)] == ["p"]
+
+
+def test_a_hold_is_refused_for_a_receiver_and_a_pusher_already_paired() -> None:
+    n = Node()
+    receiver = n.register("r", RECEIVER, [[1]])
+    with pytest.raises(Refusal) as refused:
+        n.reg.check_hold(receiver, 1.0)
+    assert refused.value.reason is Reason.ROLE_MISMATCH
+    n.do(n.reg.check_peer_registration("p", 1, "dnode", "dec0", ((500,),), 1))
+    paired = n.register("p", PUSHER, [[10]])
+    with pytest.raises(Refusal) as refused:
+        n.reg.check_hold(paired, 1.0)
+    assert refused.value.reason is Reason.ILLEGAL_TRANSITION

@@ -57,6 +57,8 @@ def make_event(kind: type, request_id: str = RID, incarnation: int = INC) -> ev.
         Released: (),
         ev.Refused: ("pre0", Reason.UNKNOWN_REQUEST, "late"),
         ev.IntegrityMismatch: (10, 1, ((0, 1, 500),)),
+        # Before the record's deadline: a hold that lengthens nothing.
+        ev.Held: (30.0,),
     }
     return kind(request_id, incarnation, *args[kind])
 
@@ -78,7 +80,7 @@ def make_record(role: Role, state: State, **flags: object) -> RequestRecord:
 
 def flags_passing_guards(role: Role, state: State, kind: type) -> dict[str, object]:
     """Record flags under which the guards accept ``kind`` (where that is possible)."""
-    if kind is PeerRegistered:
+    if kind in (PeerRegistered, ev.Held):
         return {"remote_blocks": None}
     if kind is KvReady:
         return {"kv_ready": False, "remote_blocks": ((500, 501),)}
@@ -330,7 +332,7 @@ R, T, W, D, X, F = (
 # test above checks that apply() follows TRANSITIONS; this one catches an accidental
 # edit of the table.
 DOCUMENTED = {
-    (Role.PUSHER, R): {PeerRegistered: R, KvReady: R, Trimmed: T, Failed: F},
+    (Role.PUSHER, R): {PeerRegistered: R, KvReady: R, ev.Held: R, Trimmed: T, Failed: F},
     (Role.PUSHER, T): {KvReady: T, WriteStarted: W, Failed: F},
     (Role.PUSHER, W): {WriteDone: D, Failed: F, ReleaseDeferred: W},
     (Role.PUSHER, D): {Released: X},
@@ -383,3 +385,15 @@ def test_every_live_state_reaches_released(role: Role) -> None:
         # And every state can fail or is one step from release.
         row = TRANSITIONS[(role, state)]
         assert Failed in row or Released in row, (role, state)
+
+
+def test_a_hold_lengthens_a_waiting_pushers_deadline_and_never_shortens_it() -> None:
+    record = make_record(Role.PUSHER, State.REGISTERED, remote_blocks=None)
+    later = statemachine.apply(record, ev.Held(RID, INC, 90.0), TS, DEADLINES)
+    assert (later.state, later.entered_at, later.deadline) == (State.REGISTERED, 5.0, 90.0)
+    sooner = statemachine.apply(later, ev.Held(RID, INC, 60.0), TS, DEADLINES)
+    assert sooner.deadline == 90.0
+    # Once the receiver's registration arrived there is nothing to hold.
+    paired = make_record(Role.PUSHER, State.REGISTERED, remote_blocks=((500, 501),))
+    with pytest.raises(IllegalTransition, match="already arrived"):
+        statemachine.apply(paired, ev.Held(RID, INC, 90.0), TS, DEADLINES)

@@ -273,6 +273,22 @@ class EngineClient:
         request = rpc.Abort(self._next_id(), request_id=request_id, incarnation=incarnation)
         return await self._call(request, (rpc.Ok, rpc.Deferred), timeout)
 
+    async def hold(
+        self,
+        request_id: str,
+        peer: str,
+        peer_address: str = "",
+        incarnation: int = 1,
+        *,
+        timeout: float | None = None,
+    ) -> rpc.Ok:
+        """Keep ``peer``'s push of ``request_id`` waiting: this engine's request is queued."""
+        request = rpc.Hold(
+            self._next_id(), request_id=request_id, peer=peer, peer_address=peer_address,
+            incarnation=incarnation,
+        )  # fmt: skip
+        return await self._call(request, rpc.Ok, timeout)
+
     async def status(self, *, timeout: float | None = None) -> dict[str, Any]:
         """The daemon's status document (:class:`schemas.status.StatusDocument`), as a dict."""
         reply = await self._call(rpc.Status(self._next_id()), rpc.StatusReply, timeout)

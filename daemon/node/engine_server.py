@@ -132,6 +132,8 @@ class EngineApi(Protocol):
 
     async def rpc_abort(self, session: Session, req: rpc.Abort) -> rpc.Reply: ...
 
+    async def rpc_hold(self, session: Session, req: rpc.Hold) -> rpc.Reply: ...
+
     async def record_refusal(self, request: rpc.Request, refusal: Refusal) -> bool: ...
 
     def engine_disconnected(self, session: Session) -> None: ...
@@ -165,6 +167,7 @@ class EngineServer:
             rpc.KvReady: node.rpc_kv_ready,
             rpc.Release: node.rpc_release,
             rpc.Abort: node.rpc_abort,
+            rpc.Hold: node.rpc_hold,
             rpc.Status: self._status,
         }
         self._tasks: set[asyncio.Task[None]] = set()

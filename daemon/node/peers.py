@@ -301,6 +301,18 @@ class Peers:
             for message in final_word(record):
                 self.tell_peer(node, message)
 
+    async def _on_hold(self, node: str, msg: pm.Hold) -> None:
+        # The decode side's queue holds the request: the push waits longer
+        # for its receiver. A hold for a request not (or no longer) waiting
+        # changes nothing: the decode side holds again while it queues.
+        own = self.node
+        record = own.registry.get(msg.request_id)
+        if record is None or record.incarnation != msg.incarnation:
+            return
+        held = own.registry.check_hold(record, own.clock())
+        if held is not None:
+            await own.ledger.commit([held], Cause.PEER, peer=node)
+
     async def _on_writing(self, node: str, msg: pm.Writing) -> None:
         await self._receiver_hears(
             msg.request_id,
@@ -345,6 +357,7 @@ async def _nothing() -> None:
 _HANDLERS: dict[type, Callable[[Peers, str, Any], Awaitable[None]]] = {
     pm.Forward: Peers._on_forward,
     pm.Cancel: Peers._on_cancel,
+    pm.Hold: Peers._on_hold,
     pm.Writing: Peers._on_writing,
     pm.WriteDone: Peers._on_write_done,
     pm.WriteFailed: Peers._on_write_failed,

@@ -435,6 +435,20 @@ class Node:
         await self.ledger.commit(events, Cause.ENGINE)
         return rpc.Ok(req.id)
 
+    async def rpc_hold(self, session: EngineSession, req: rpc.Hold) -> rpc.Reply:
+        """Tell the prefill daemon a queued decode request will register (rpc.Hold)."""
+        if not req.peer:
+            raise Refusal(Reason.UNKNOWN_REQUEST, "a hold must name the prefill node")
+        if (
+            req.peer_address
+            and self.config.on_demand_peers
+            and not self.peers.is_configured(req.peer)
+        ):
+            await self.peers.link_on_demand(req.peer, req.peer_address)
+        if not self.peers.tell_peer(req.peer, pm.Hold(req.request_id, req.incarnation)):
+            raise Refusal(Reason.PEER_DEAD, f"peer {req.peer!r} is not connected")
+        return rpc.Ok(req.id)
+
     async def record_refusal(self, request: Any, refusal: Refusal) -> bool:
         """Journal a refused engine request; the registry itself is unchanged.
 

@@ -520,6 +520,7 @@ RPC_OPS: Final = [
     "kv_ready",
     "release",
     "abort",
+    "hold",
     "status",
 ]
 RPC_FIELDS: Final = [
@@ -652,7 +653,7 @@ class SequenceEngine:
 
 
 # Weighted by repetition: most requests should meet a live request of theirs.
-OPS: Final = ["register"] * 3 + ["kv_ready", "release", "abort"] * 2 + ["status"]
+OPS: Final = ["register"] * 3 + ["kv_ready", "release", "abort"] * 2 + ["hold", "status"]
 good_logical = st.lists(st.integers(0, 31), max_size=4, unique=True)
 good_blocks = st.tuples(good_logical, good_logical)  # in range (may collide: blocks_owned)
 sequence_blocks = st.one_of(
@@ -701,6 +702,8 @@ def _sequence_request(conn: RpcConn, engine_id: str, rid: str, op: tuple) -> rpc
         return rpc.Release(rid_, rid, inc)
     if kind == "abort":
         return rpc.Abort(rid_, rid, inc)
+    if kind == "hold":
+        return rpc.Hold(rid_, rid, peer, "", inc)
     return rpc.Status(rid_)
 
 
@@ -709,6 +712,7 @@ EXPECTED_REPLY: Final[dict[type, tuple[type, ...]]] = {
     rpc.KvReady: (rpc.Ok, rpc.Error),
     rpc.Release: (rpc.Ok, rpc.Deferred, rpc.Error),
     rpc.Abort: (rpc.Ok, rpc.Error),
+    rpc.Hold: (rpc.Ok, rpc.Error),
     rpc.Status: (rpc.StatusReply,),
 }
 
