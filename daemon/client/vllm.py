@@ -151,6 +151,10 @@ SHM_PREFIX = "kvpushd-vllm-"
 # Reconnecting to a daemon that went away: first try soon, then back off.
 RECONNECT_FIRST_S = 0.2
 RECONNECT_MAX_S = 2.0
+# A decode request queued for blocks holds the prefill's push this often
+# (kv_connector_extra_config.hold_every_s); the prefill daemon's registered
+# deadline must be longer.
+HOLD_EVERY_S = 5.0
 # The daemon's reply to a registration waits for its fsync: bounded, not short.
 CALL_TIMEOUT_S = 30.0
 # Registrations and kv_ready wait as long as the connection lives: a slow
@@ -278,6 +282,8 @@ class KvpushdConnectorMetadata(KVConnectorMetadata):
     abort: list[str] = field(default_factory=list)
     # Decode requests vLLM finished before giving them blocks: nothing loads.
     forgo: list[ReceiveSpec] = field(default_factory=list)
+    # Decode requests still queued for blocks: the prefill's push must wait.
+    hold: list[ReceiveSpec] = field(default_factory=list)
 
 
 class KvpushdConnector(KVConnectorBase_V1):
@@ -302,7 +308,11 @@ class KvpushdConnector(KVConnectorBase_V1):
         self._worker: _WorkerSide | None = None
         if role is KVConnectorRole.SCHEDULER:
             self._scheduler = _SchedulerSide(
-                self._node, self._address, self._block_size, self._fingerprint
+                self._node,
+                self._address,
+                self._block_size,
+                self._fingerprint,
+                hold_every_s=float(extra.get("hold_every_s", HOLD_EVERY_S)),
             )
         else:
             socket_path = extra.get("socket")
@@ -426,8 +436,20 @@ class KvpushdConnector(KVConnectorBase_V1):
 
 
 class _SchedulerSide:
-    def __init__(self, node: str, address: str, block_size: int, fingerprint: Fingerprint) -> None:
+    def __init__(
+        self,
+        node: str,
+        address: str,
+        block_size: int,
+        fingerprint: Fingerprint,
+        *,
+        hold_every_s: float = 5.0,
+    ) -> None:
         self._node = node
+        self._hold_every_s = hold_every_s
+        # Transfer id -> when its push was last held (time.monotonic()), for
+        # the requests queued for blocks (bounded).
+        self._held: dict[str, float] = {}
         self._address = address
         self._block_size = block_size
         self._fingerprint = fingerprint
@@ -451,6 +473,8 @@ class _SchedulerSide:
         if owner == request.request_id:
             # Checked when it claimed the transfer (vLLM asks again every step
             # the request waits for blocks; the prompt's digest is not free).
+            # Still waiting: the prefill's push must wait too.
+            self._hold(transfer_id, request, params)
             return self._external_tokens(request, num_computed_tokens)
         if owner is not None:
             # The transfer is the other request's: nothing of it is this one's to end.
@@ -474,6 +498,20 @@ class _SchedulerSide:
             return 0, False
         _remember(self._claims, transfer_id, request.request_id)
         return self._external_tokens(request, num_computed_tokens)
+
+    def _hold(self, transfer_id: str, request: Request, params: dict[str, Any]) -> None:
+        """Keep the prefill's push of a transfer waiting while this request queues for blocks.
+
+        Sent at most every ``hold_every_s`` (each hold lengthens the push's
+        wait by the prefill daemon's ``registered`` deadline, which must be
+        longer), and bounded there by its ``[deadlines] held``.
+        """
+        now = time.monotonic()
+        last = self._held.get(transfer_id)
+        if last is not None and now - last < self._hold_every_s:
+            return
+        _remember(self._held, transfer_id, now)
+        self._pending.hold.append(_receive_spec(request.request_id, params, ()))
 
     @staticmethod
     def _external_tokens(request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -529,6 +567,7 @@ class _SchedulerSide:
         params["do_remote_prefill"] = False
         (block_ids,) = blocks.get_unhashed_block_ids_all_groups()
         self._first_time(str(params["kvpushd_transfer_id"]))
+        self._held.pop(str(params["kvpushd_transfer_id"]), None)
         self._loading.add(request.request_id)
         self._pending.receive.append(_receive_spec(request.request_id, params, block_ids))
 
@@ -1001,6 +1040,8 @@ class _WorkerSide:
             self.abort(metadata.abort)
         for forgone in metadata.forgo:
             self._forgo_all(forgone, generation)
+        for queued in metadata.hold:
+            self._hold_all(queued)
 
     def _shares(self, push: PushSpec) -> list[PushSpec]:
         """This rank's shares of a push, each on the engine (or slice) it is read from.
@@ -1118,6 +1159,28 @@ class _WorkerSide:
                     share = share_id(forgone.transfer_id, rank, ranks, stage, forgone.source_stages)
                     forgone_share = dataclasses.replace(forgone, transfer_id=share, block_ids=())
                     self._spawn(self._forgo(forgone_share, generation))
+
+    def _hold_all(self, queued: ReceiveSpec) -> None:
+        """Hold the push of every prefill rank this rank will load from (best effort).
+
+        A hold that does not arrive costs nothing worse than before holds:
+        the push ends at its deadline and this instance computes the prompt.
+        """
+        try:
+            sources = self._sources(queued)
+        except UnmappableRanks:
+            return
+        for source in sources:
+            share = self._receiver(queued, source)
+            self._spawn(self._hold(share))
+
+    async def _hold(self, share: ReceiveSpec) -> None:
+        try:
+            await self._need_client().hold(
+                share.transfer_id, share.peer, share.peer_address, timeout=CALL_TIMEOUT_S
+            )
+        except (ClientError, RuntimeError) as exc:
+            log.info("kvpushd: hold of %s: %s", share.transfer_id, exc)
 
     def _forgo_unread(self, receive: ReceiveSpec, generation: int) -> None:
         """End the pushes of prefill replicas nobody reads (TP above the KV heads)."""

