@@ -65,6 +65,9 @@ class Registered(_RequestEvent, frozen=True, tag="registered"):
     peer: str
     blocks: Blocks
     offload_slots: tuple[int, ...] = ()
+    # What the blocks hold, as the engine names it (e.g. a digest of the
+    # prompt's token ids); "" when it names nothing.
+    content: str = ""
 
 
 class PeerRegistered(_RequestEvent, frozen=True, tag="peer_registered"):
@@ -76,6 +79,8 @@ class PeerRegistered(_RequestEvent, frozen=True, tag="peer_registered"):
     per_logical: int = 1
     # The receiver engine's fingerprint (statemachine/fingerprint.py).
     fingerprint: Fingerprint | None = None
+    # What the receiver's engine said its blocks are for (Registered.content).
+    content: str = ""
 
 
 class KvReady(_RequestEvent, frozen=True, tag="kv_ready"):

@@ -86,6 +86,8 @@ class Forward(_Peer, frozen=True, tag="forward"):
     per_logical: int
     # The decode engine's fingerprint, from its own daemon (never from a router).
     fingerprint: Fingerprint | None = None
+    # What the decode engine said its blocks are for (Registered.content).
+    content: str = ""
 
 
 class Writing(_Peer, frozen=True, tag="writing"):

@@ -40,6 +40,9 @@ class Reason(enum.StrEnum):
     # The two engines' KV comes from different models, formats or layouts
     # (schemas/fingerprint.py): refused before anything is written.
     FINGERPRINT_MISMATCH = "fingerprint_mismatch"
+    # The two sides registered different content (e.g. the digests of two
+    # different prompts): the decode side's blocks are for other KV.
+    CONTENT_MISMATCH = "content_mismatch"
 
     # Lifecycle refusals.
     ILLEGAL_TRANSITION = "illegal_transition"
@@ -86,6 +89,7 @@ REFUSAL_REASONS: frozenset[Reason] = frozenset(
         Reason.RATIO_PADDING_EXCEEDED,
         Reason.BLOCK_COUNT_MISMATCH,
         Reason.FINGERPRINT_MISMATCH,
+        Reason.CONTENT_MISMATCH,
         Reason.ILLEGAL_TRANSITION,
         Reason.OFFLOAD_EXHAUSTED,
         Reason.BAD_SLOT,
@@ -114,6 +118,7 @@ FAILURE_REASONS: frozenset[Reason] = frozenset(
         Reason.RATIO_PADDING_EXCEEDED,
         Reason.BLOCK_COUNT_MISMATCH,
         Reason.FINGERPRINT_MISMATCH,
+        Reason.CONTENT_MISMATCH,
         Reason.ROLE_MISMATCH,
         Reason.DUPLICATE_REQUEST,
         Reason.STALE_INCARNATION,

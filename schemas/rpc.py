@@ -71,6 +71,10 @@ class RegisterRequest(_Request, frozen=True, tag="register_request"):
     peer: str = ""
     offload_slots: int = 0
     peer_address: str = ""
+    # What the blocks hold or are for (e.g. a digest of the prompt's token
+    # ids), up to 128 characters: a push pairs only equal ones, where both
+    # sides name one (``content_mismatch`` otherwise). "": not named.
+    content: str = ""
 
 
 class KvReady(_Request, frozen=True, tag="kv_ready"):

@@ -71,6 +71,10 @@ class RequestRecord(msgspec.Struct, frozen=True):
     release_pending: bool = False
     reason: Reason | None = None
     message: str = ""
+    # What the blocks hold (Registered.content), and, on a pusher, what the
+    # receiver's are for: a push pairs only equal ones where both are named.
+    content: str = ""
+    remote_content: str = ""
 
 
 class PendingPeer(msgspec.Struct, frozen=True):

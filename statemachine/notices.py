@@ -211,6 +211,7 @@ def forward(record: RequestRecord, layout: EngineLayout | None) -> pm.Forward:
         record.blocks,
         per_logical,
         fingerprint,
+        record.content,
     )
 
 

@@ -25,7 +25,7 @@ Refusal rules enforced here:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence, Set
-from typing import Any
+from typing import Any, Final
 
 from schemas.events import (
     Blocks,
@@ -53,7 +53,7 @@ from schemas.state import (
     State,
 )
 from statemachine.errors import IllegalTransition, Refusal
-from statemachine.fingerprint import check_fingerprints
+from statemachine.fingerprint import check_contents, check_fingerprints
 from statemachine.reactions import Stimulus, Why, react, react_pending
 from statemachine.tombstones import Tombstones
 from statemachine.transitions import apply as apply_transition
@@ -69,6 +69,10 @@ _BlockKey = tuple[str, int]  # (engine id, group index)
 PUSHER, RECEIVER = Role.PUSHER, Role.RECEIVER
 REGISTERED, TRIMMED, WRITING = State.REGISTERED, State.TRIMMED, State.WRITING
 DONE, RELEASED, FAILED = State.DONE, State.RELEASED, State.FAILED
+
+
+# The longest content name a registration may carry (a digest's hex fits).
+MAX_CONTENT: Final = 128
 
 
 def attention_ratio(layout: EngineLayout) -> int:
@@ -311,13 +315,21 @@ class Registry:
         logical_blocks: Sequence[Sequence[int]],
         offload_slots: int = 0,
         unavailable: Set[int] = frozenset(),
+        content: str = "",
     ) -> Registered:
         """Validate a local engine's registration; blocks are logical ids.
 
         ``offload_slots`` slots of the engine's offload pool are granted too
         (:meth:`_grant`); ``unavailable`` are slots the shell cannot hand out
         yet although no live request holds them (released, not yet zeroed).
+        ``content`` names what the blocks hold (checked at the pairing).
         """
+        if len(content) > MAX_CONTENT:
+            raise Refusal(
+                Reason.BLOCK_OUT_OF_RANGE,
+                f"request {request_id}: content names {len(content)} characters, "
+                f"over the {MAX_CONTENT} allowed",
+            )
         layout = self._engine(engine_id)
         self._check_new_key(request_id, incarnation)
         self._check_pending(request_id, incarnation, role)
@@ -338,6 +350,7 @@ class Registry:
             peer,
             expand_blocks(layout, logical_blocks),
             self._grant(layout, request_id, offload_slots, unavailable) if offload_slots else (),
+            content,
         )
         self._check_registered(event)
         return event
@@ -428,6 +441,7 @@ class Registry:
         blocks: Blocks,
         per_logical: int,
         fingerprint: Fingerprint | None = None,
+        content: str = "",
     ) -> PeerRegistered:
         """Validate a receiver's registration forwarded by its daemon."""
         record = self.live.get(request_id)
@@ -455,8 +469,14 @@ class Registry:
                 )
         if per_logical < 1:
             raise Refusal(Reason.BLOCK_OUT_OF_RANGE, f"per_logical must be >= 1, got {per_logical}")
+        if len(content) > MAX_CONTENT:
+            raise Refusal(
+                Reason.BLOCK_OUT_OF_RANGE,
+                f"request {request_id}: content names {len(content)} characters, "
+                f"over the {MAX_CONTENT} allowed",
+            )
         return PeerRegistered(
-            request_id, incarnation, peer, engine_id, blocks, per_logical, fingerprint
+            request_id, incarnation, peer, engine_id, blocks, per_logical, fingerprint, content
         )
 
     def check_hold(self, record: RequestRecord, now: float) -> Held | None:
@@ -500,6 +520,9 @@ class Registry:
         # Before any pairing: blocks of the right size from another model
         # would be written, loaded and decoded into wrong tokens.
         check_fingerprints(layout.fingerprint, record.remote_fingerprint)
+        # Blocks meant for other KV (another prompt, where a router sent the
+        # two legs different prompts under one transfer id) are never written.
+        check_contents(record.content, record.remote_content)
         dst, src = apply_prefix_caching(
             record.remote_blocks,
             record.blocks,
@@ -579,7 +602,7 @@ class Registry:
         rid, inc = event.request_id, event.incarnation
         record = RequestRecord(
             rid, inc, event.role, event.engine_id, event.peer, REGISTERED, event.blocks, ts,
-            ts + self.deadlines.registered,
+            ts + self.deadlines.registered, content=event.content,
         )  # fmt: skip
         if event.offload_slots:
             self._hold_slots(rid, event.engine_id, event.offload_slots)

@@ -169,6 +169,7 @@ def _set_peer_registered(
         remote_blocks=e.blocks,
         remote_per_logical=e.per_logical,
         remote_fingerprint=e.fingerprint,
+        remote_content=e.content,
     )
 
 

@@ -209,3 +209,64 @@ async def test_a_mismatch_writes_nothing_and_both_journals_name_the_field(
     assert delta(p0, p1, "kvpushd_failures_total", reason=reason) == 1
     assert delta(d0, d1, "kvpushd_failures_total", reason=reason) == 1
     assert delta(p0, p1, "kvpushd_transfers_started_total") == 0
+
+
+# ------------------------------------------------------------------ content
+
+
+@pytest.mark.parametrize("receiver_first", [False, True], ids=["prefill-first", "decode-first"])
+async def test_blocks_for_another_prompt_are_never_written_and_both_journals_say_so(
+    pair, receiver_first: bool
+) -> None:
+    """Both sides name the prompt their blocks hold or are for; different ones never pair.
+
+    A router that sent the two legs different prompts under one transfer id
+    (with both legs at once the decode cannot compare digests before it
+    reports external tokens): the prefill daemon refuses the pairing with
+    ``content_mismatch``, nothing is written, and both journals say so. The
+    same contents push as usual; a side naming none is not checked.
+    """
+    prefill, decode = pair
+    p0 = prefill.scrape()
+    pe, de = await _engines(pair, TINY, TINY)
+    rid = f"content-{receiver_first}"
+    try:
+        before = snapshot(de.view)
+        if receiver_first:
+            await de.decode_register(rid, [[10, 11]], "prefill", content="digest-b")
+            await pe.prefill(rid, [[1, 2, 3]], content="digest-a", kv_ready=False)
+        else:
+            await pe.prefill(rid, [[1, 2, 3]], content="digest-a", kv_ready=False)
+            await de.decode_register(rid, [[10, 11]], "prefill", content="digest-b")
+        for engine in (pe, de):
+            failed = await engine.wait_event(
+                rid, (rpc.KvArrived, rpc.BlocksFreeable, rpc.RequestFailed)
+            )
+            assert isinstance(failed, rpc.RequestFailed), failed
+            assert failed.reason == Reason.CONTENT_MISMATCH
+            assert "'digest-a'" in failed.message and "'digest-b'" in failed.message
+        assert changed_blocks(before, de.view) == []
+        await de.release(rid)
+        await pe.release(rid)
+        # Equal contents, and one side naming none, push as usual.
+        for n, (p_content, d_content) in enumerate([("same", "same"), ("", "named")]):
+            ok = f"{rid}-ok{n}"
+            src, dst = [[4, 5, 6]], [[20, 21, 22]]
+            expect = Expectation(pe.engine_id, tail_pairs(pe.layout, src, de.layout, dst))
+            await de.decode_register(ok, dst, "prefill", expect=expect, content=d_content)
+            await pe.prefill(ok, src, content=p_content)
+            arrived = await de.wait_event(ok, (rpc.KvArrived, rpc.RequestFailed))
+            assert isinstance(arrived, rpc.KvArrived), arrived
+            assert de.reports[(ok, 1)].ok
+            await de.release(ok)
+            await pe.release(ok)
+    finally:
+        await pe.close()
+        await de.close()
+    for daemon in (prefill, decode):
+        (failed_event,) = [e for e in daemon.journal_events(rid) if isinstance(e, Failed)]
+        assert failed_event.reason is Reason.CONTENT_MISMATCH
+    (refused,) = [e for e in prefill.journal_events(rid) if isinstance(e, Refused)]
+    assert refused.reason is Reason.CONTENT_MISMATCH
+    reason = Reason.CONTENT_MISMATCH.value
+    assert delta(p0, prefill.scrape(), "kvpushd_refusals_total", reason=reason) == 1

@@ -232,12 +232,15 @@ class EngineClient:
         offload_slots: int = 0,
         timeout: float | None = None,
         peer_address: str = "",
+        content: str = "",
     ) -> rpc.RequestAccepted:
         """Register a request: logical block ids per group (see :class:`rpc.RegisterRequest`).
 
         A receiver may give ``peer_address``, the pusher daemon's ``host:port``
         (from the prefill's kv_transfer_params), for a peer its daemon does
         not list: the daemon dials it, or refuses with ``peer_unreachable``.
+        ``content``: what the blocks hold or are for (a prompt's digest); a
+        push pairs only equal ones where both sides name one.
         """
         request = rpc.RegisterRequest(
             self._next_id(),
@@ -249,6 +252,7 @@ class EngineClient:
             peer=peer,
             offload_slots=offload_slots,
             peer_address=peer_address,
+            content=content,
         )
         return await self._call(request, rpc.RequestAccepted, timeout)
 

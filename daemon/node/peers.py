@@ -270,6 +270,7 @@ class Peers:
                 msg.blocks,
                 msg.per_logical,
                 msg.fingerprint,
+                msg.content,
             )
         except Refusal as refusal:
             own.counters["refusals"] += 1

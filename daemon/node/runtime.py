@@ -356,6 +356,7 @@ class Node:
             req.blocks,
             req.offload_slots,
             self.engines.unavailable_slots(engine),
+            req.content,
         )
         self._check_fits(event)
         self.integrity.check_slots(engine, event)
@@ -395,7 +396,9 @@ class Node:
         journaled but never reached the peer; both replied "internal".
         """
         n_blocks = sum(len(ids) for ids in event.blocks)
-        strings = len(event.request_id) + len(event.engine_id) + len(event.peer)
+        strings = (
+            len(event.request_id) + len(event.engine_id) + len(event.peer) + len(event.content)
+        )
         limit = min(self.config.limits.max_frame_bytes, MAX_RECORD_BYTES) - _RECORD_HEADROOM
         # 9 bytes is the largest msgpack int and 4 bytes per character the
         # largest UTF-8 one: most registrations pass without being encoded.

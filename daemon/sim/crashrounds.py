@@ -198,10 +198,12 @@ class CrashEngine(SimEngine):
         peer: str,
         live: Any,
         peer_address: str = "",
+        *,
+        content: str = "",
     ) -> Any:
         try:
             return await super()._register(
-                request_id, incarnation, blocks, peer, live, peer_address
+                request_id, incarnation, blocks, peer, live, peer_address, content=content
             )
         except ConnectionLost:
             # The daemon may have journaled the registration before it died:

@@ -255,12 +255,13 @@ class SimEngine:
         incarnation: int = 1,
         peer: str = "",
         kv_ready: bool = True,
+        content: str = "",
     ) -> rpc.RequestAccepted:
         """Register a pusher request, write its KV pattern, and (by default) say kv_ready."""
         self._require(Role.PUSHER)
         kernel = expand(self.layout, blocks)
         live = _Live(Role.PUSHER, kernel)
-        reply = await self._register(request_id, incarnation, blocks, peer, live)
+        reply = await self._register(request_id, incarnation, blocks, peer, live, content=content)
         kvpattern.fill_blocks(
             self.view, self.engine_id, request_tag(request_id, incarnation), kernel
         )
@@ -286,14 +287,18 @@ class SimEngine:
         incarnation: int = 1,
         expect: Expectation | None = None,
         peer_address: str = "",
+        content: str = "",
     ) -> rpc.RequestAccepted:
         """Register a receiver request; with ``expect``, KvArrived is verified automatically.
 
-        ``peer_address``: the pusher daemon's ``host:port``, for a peer on demand.
+        ``peer_address``: the pusher daemon's ``host:port``, for a peer on demand;
+        ``content``: what the blocks are for (checked against the pusher's).
         """
         self._require(Role.RECEIVER)
         live = _Live(Role.RECEIVER, expand(self.layout, blocks), expect)
-        return await self._register(request_id, incarnation, blocks, peer, live, peer_address)
+        return await self._register(
+            request_id, incarnation, blocks, peer, live, peer_address, content=content
+        )
 
     async def _register(
         self,
@@ -303,6 +308,8 @@ class SimEngine:
         peer: str,
         live: _Live,
         peer_address: str = "",
+        *,
+        content: str = "",
     ) -> rpc.RequestAccepted:
         """Register with the daemon, recording the request *before* the call.
 
@@ -323,6 +330,7 @@ class SimEngine:
                 incarnation=incarnation,
                 peer=peer,
                 peer_address=peer_address,
+                content=content,
             )
         except BaseException:
             if previous is None:
