@@ -28,9 +28,10 @@ import pytest
 
 from daemon.journal.replay import replay
 from daemon.sim.launcher import Daemon, wait_idle
-from daemon.sim.vllm_router import prefill_leg
-from daemon.sim.vllm_servers import VllmServer, kvpushd_pd
-from schemas.events import Registered, Trimmed, WriteStarted
+from daemon.sim.vllm_router import prefill_leg, route_concurrent
+from daemon.sim.vllm_servers import VllmServer, VllmServerError, kvpushd_pd
+from schemas.events import Failed, Registered, Released, Trimmed, WriteDone, WriteStarted
+from schemas.reasons import Reason
 
 TOKENS = 8
 EXTERNAL = "vllm:prompt_tokens_by_source_total"
@@ -296,3 +297,79 @@ def test_the_connectors_stats_reach_vllms_metrics(pd: PD) -> None:
         if isinstance(e, WriteStarted)
     ]
     assert d.metrics().total("vllm:kvpushd_loaded_bytes_total") - nbytes == started.nbytes
+
+
+def test_both_legs_at_once_under_the_routers_transfer_id_are_token_exact(pd: PD) -> None:
+    """vLLM's push-mode proxy's contract: both legs at once, a router-made ``transfer_id``.
+
+    The decode leg carries no kvpushd field, only the proxy's (the prefill
+    daemon's node as ``remote_engine_id``, its peer address as
+    ``remote_host``/``remote_port``, the prefill's TP and PP sizes): the
+    decode allocates and registers while the prefill computes. Its tokens
+    equal a single instance's, the external-KV counter moved by the
+    prompt, and both journals show the router's transfer id written and
+    released, each side having named the prompt's digest.
+    """
+    p, d, prefill, decode = pd
+    rng = random.Random(71)
+    for length in (40, 150, 300):
+        prompt = [rng.randrange(2, 512) for _ in range(length)]
+        single = p.complete(prompt, TOKENS).token_ids
+        before = d.metrics().total(EXTERNAL, source="external_kv_transfer")
+        routed = route_concurrent(
+            p, d, prompt, TOKENS, prefill_node=prefill.node,
+            prefill_address=f"127.0.0.1:{prefill.port}",
+        )  # fmt: skip
+        assert routed.token_ids == single, length
+        loaded = d.metrics().total(EXTERNAL, source="external_kv_transfer") - before
+        assert loaded >= length - 1, (length, loaded)
+        wait_idle(prefill, decode)
+        transfer = routed.params["transfer_id"]
+        assert transfer.startswith("xfer-")
+        for daemon in (prefill, decode):
+            events = daemon.journal_events(transfer)
+            kinds = [type(e) for e in events]
+            assert WriteDone in kinds and kinds[-1] is Released, (daemon.node, kinds)
+            (registered,) = [e for e in events if isinstance(e, Registered)]
+            assert len(registered.content) == 32, registered  # the prompt's digest
+
+
+def test_both_legs_at_once_with_two_prompts_never_load_the_other_prompts_kv(pd: PD) -> None:
+    """A router that sent the two legs different prompts under one transfer id.
+
+    The decode reported external tokens before the prefill had answered (it
+    had nothing to compare), so only the daemons can tell: the prefill
+    daemon refuses the pairing with ``content_mismatch``, nothing is
+    written, and the decode request fails (the ``fail`` policy) instead of
+    decoding the other prompt's KV.
+    """
+    p, d, prefill, decode = pd
+    rng = random.Random(72)
+    prompt, other = ([rng.randrange(2, 512) for _ in range(96)] for _ in range(2))
+    with pytest.raises(VllmServerError):
+        route_concurrent(
+            p, d, prompt, TOKENS, prefill_node=prefill.node,
+            prefill_address=f"127.0.0.1:{prefill.port}", decode_prompt=other,
+        )  # fmt: skip
+    wait_idle(prefill, decode)
+    transfers = {
+        e.request_id
+        for e in _all_events(decode)
+        if isinstance(e, Failed) and e.reason is Reason.CONTENT_MISMATCH
+    }
+    assert len(transfers) == 1, transfers
+    (transfer,) = transfers
+    for daemon in (prefill, decode):
+        events = daemon.journal_events(transfer)
+        assert not [e for e in events if isinstance(e, WriteStarted)], events
+        (failed,) = [e for e in events if isinstance(e, Failed)]
+        assert failed.reason is Reason.CONTENT_MISMATCH, events
+    metrics = d.metrics()
+    assert metrics.total("vllm:num_requests_running") == 0
+    assert metrics.total("vllm:num_requests_waiting") == 0
+
+
+def _all_events(daemon: Daemon) -> list[object]:
+    out: list[object] = []
+    replay(daemon.journal, on_record=lambda record, _: out.append(record.event))
+    return out

@@ -169,6 +169,11 @@ _MAX_SEEN = 65536
 _ACROSS_RANKS = ("tp_size", "pp_size", "kv_head_range", "layer_range")
 # How a prefill request must have ended for its KV to be pushed: its prompt
 # was computed (it stopped, or hit its length). An abort pushes nothing.
+# A decode leg sent at once with the prefill's, as the connector took it
+# (_adopt_dispatch): the prefill's sizes the router named.
+CONCURRENT = "kvpushd_concurrent"
+SOURCE_TP, SOURCE_PP = "kvpushd_source_tp", "kvpushd_source_pp"
+_MAX_TRANSFER_ID = 200
 # In the prefill's answer: the TP and PP sizes its shares are named by.
 TP_SPLIT = "kvpushd_split_tp"
 PP_SPLIT = "kvpushd_split_pp"
@@ -192,6 +197,7 @@ class PushSpec:
     split_tp: int = 0
     split_pp: int = 0
     engine_id: str = ""
+    content: str = ""  # the prompt's digest: the daemon pairs only equal ones
 
 
 @dataclass(frozen=True)
@@ -218,6 +224,7 @@ class ReceiveSpec:
     # The TP size naming the prefill's shares: source_ranks, or this
     # instance's when the prefill split its push for it (0: source_ranks).
     split_tp: int = 0
+    content: str = ""  # this request's prompt digest: the daemon pairs only equal ones
 
 
 class _Source(NamedTuple):
@@ -466,7 +473,14 @@ class _SchedulerSide:
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
-        if not params.get("do_remote_prefill") or not params.get("kvpushd_transfer_id"):
+        if not params.get("do_remote_prefill"):
+            return 0, False
+        if not params.get("kvpushd_transfer_id") and "transfer_id" in params:
+            unusable = _adopt_dispatch(params)
+            if unusable is not None:
+                self._compute_here(request, params, (vs.PARAMS, unusable))
+                return 0, False
+        if not params.get("kvpushd_transfer_id"):
             return 0, False
         transfer_id = str(params["kvpushd_transfer_id"])
         owner = self._claims.get(transfer_id)
@@ -529,6 +543,17 @@ class _SchedulerSide:
 
         (What kind of reason, for the stats; what happened, for the log.)
         """
+        if params.get(CONCURRENT):
+            # Both legs at once: the prefill has not answered, so there is no
+            # fingerprint or prompt digest to compare here. The daemon checks
+            # both at the pairing (the engines' fingerprints, the content
+            # each side registers); this side checks only that the ranks map.
+            sizes = {"tp_size": params[SOURCE_TP], "pp_size": params[SOURCE_PP]}
+            sent_shape = msgspec.structs.replace(self._fingerprint, **sizes)
+            unmappable = rank_map_problem(sent_shape, self._fingerprint)
+            if unmappable is not None:
+                return vs.FINGERPRINT, f"the two instances' ranks do not pair: {unmappable}"
+            return None
         try:
             sent = msgspec.convert(params.get("kvpushd_fingerprint"), Fingerprint)
         except msgspec.ValidationError as exc:
@@ -569,7 +594,10 @@ class _SchedulerSide:
         self._first_time(str(params["kvpushd_transfer_id"]))
         self._held.pop(str(params["kvpushd_transfer_id"]), None)
         self._loading.add(request.request_id)
-        self._pending.receive.append(_receive_spec(request.request_id, params, block_ids))
+        content = prompt_digest(request.prompt_token_ids or ())
+        self._pending.receive.append(
+            _receive_spec(request.request_id, params, block_ids, content=content)
+        )
 
     def finished(
         self, request: Request, block_ids: list[int]
@@ -599,7 +627,9 @@ class _SchedulerSide:
             # its KV, and its blocks go back to vLLM now.
             self.stats.not_loaded(vs.NOT_NEEDED)
             return False, None
-        transfer_id = request.request_id
+        # A router dispatching both legs at once names the transfer itself.
+        transfer_id = _router_transfer_id(params) or request.request_id
+        digest = prompt_digest(request.prompt_token_ids)
         # A decode with more TP ranks or stages, named by the router: each
         # rank pushes one share per decode rank (and stage) it feeds
         # (statemachine/ranks.py).
@@ -607,7 +637,12 @@ class _SchedulerSide:
         by_pp = split_pp(self._fingerprint, params.get("kvpushd_decode_pp"))
         self._pending.push.append(
             PushSpec(
-                request.request_id, transfer_id, tuple(block_ids), split_tp=by_tp, split_pp=by_pp
+                request.request_id,
+                transfer_id,
+                tuple(block_ids),
+                split_tp=by_tp,
+                split_pp=by_pp,
+                content=digest,
             )
         )
         self._pushing.add(request.request_id)
@@ -622,7 +657,7 @@ class _SchedulerSide:
             PP_SPLIT: by_pp,
             # Which prompt the KV is of: the decode side checks it is its own.
             "kvpushd_prompt_len": len(request.prompt_token_ids),
-            "kvpushd_prompt_digest": prompt_digest(request.prompt_token_ids),
+            "kvpushd_prompt_digest": digest,
         }
 
     def _first_time(self, transfer_id: str) -> bool:
@@ -659,12 +694,62 @@ def _split_of(params: dict[str, Any], key: str) -> int | None:
     return None
 
 
+def _router_transfer_id(params: dict[str, Any]) -> str | None:
+    """The transfer id a router named on a leg (``transfer_id``), if it is a usable one."""
+    named = params.get("transfer_id")
+    if isinstance(named, str) and 0 < len(named) <= _MAX_TRANSFER_ID and "@" not in named:
+        return named
+    return None
+
+
+def _size(value: Any) -> int | None:
+    return value if isinstance(value, int) and 1 <= value <= MAX_RANKS else None
+
+
+def _adopt_dispatch(params: dict[str, Any]) -> str | None:
+    """Take a decode leg sent at once with the prefill's (vLLM's push-mode proxy).
+
+    It names the transfer (``transfer_id``), the prefill daemon's node
+    (``remote_engine_id``) and peer address (``remote_host``,
+    ``remote_port``), and the prefill's TP and PP sizes; no block ids. In
+    place, it becomes the kvpushd fields the rest reads. Returns why not,
+    if the leg is not usable.
+    """
+    transfer_id = _router_transfer_id(params)
+    node, host, port = (params.get(k) for k in ("remote_engine_id", "remote_host", "remote_port"))
+    if transfer_id is None:
+        return f"the router's transfer_id {params.get('transfer_id')!r} is not usable"
+    if not isinstance(node, str) or not node or not isinstance(host, str) or not host:
+        return "the router named no prefill node (remote_engine_id) or address (remote_host)"
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        return f"the router named no usable prefill port (remote_port {port!r})"
+    params.update(
+        {
+            "kvpushd_transfer_id": transfer_id,
+            "kvpushd_node": node,
+            "kvpushd_address": f"{host}:{port}",
+            CONCURRENT: True,
+            SOURCE_TP: _size(params.get("tp_size")) or 1,
+            SOURCE_PP: _size(params.get("pp_size")) or 1,
+        }
+    )
+    return None
+
+
 def _receive_spec(
-    request_id: str, params: dict[str, Any], block_ids: Any, *, paired: bool = True
+    request_id: str,
+    params: dict[str, Any],
+    block_ids: Any,
+    *,
+    paired: bool = True,
+    content: str = "",
 ) -> ReceiveSpec:
     sent = params.get("kvpushd_fingerprint")
-    sizes = [sent.get(key, 1) if isinstance(sent, dict) else 1 for key in ("tp_size", "pp_size")]
-    ranks, stages = (n if isinstance(n, int) and 1 <= n <= MAX_RANKS else 1 for n in sizes)
+    if params.get(CONCURRENT):
+        ranks, stages = params[SOURCE_TP], params[SOURCE_PP]
+    else:
+        sizes = [sent.get(k, 1) if isinstance(sent, dict) else 1 for k in ("tp_size", "pp_size")]
+        ranks, stages = (_size(n) or 1 for n in sizes)
     return ReceiveSpec(
         request_id,
         str(params["kvpushd_transfer_id"]),
@@ -676,6 +761,7 @@ def _receive_spec(
         # Shares split for this instance's stages look like a prefill of its PP.
         source_stages=_split_of(params, PP_SPLIT) or stages,
         split_tp=_split_of(params, TP_SPLIT) or ranks,
+        content=content,
     )
 
 
@@ -1355,6 +1441,7 @@ class _WorkerSide:
             Role.PUSHER,
             [list(push.block_ids)],
             timeout=_UNTIL_ANSWERED,
+            content=push.content,
         )
 
     async def _register_receiver(self, receive: ReceiveSpec, generation: int) -> None:
@@ -1367,6 +1454,7 @@ class _WorkerSide:
             # The decode daemon dials the prefill's on demand if it has no link.
             peer_address=receive.peer_address,
             timeout=_UNTIL_ANSWERED,
+            content=receive.content,
         )
 
     def _gave_up(self, transfer_id: str, exc: BaseException) -> None:

@@ -16,6 +16,15 @@ The contract, the same for KvpushdConnector and vLLM's NixlPushConnector:
 
 TTFT of a routed request is the prefill's whole answer plus the decode's
 first streamed token, as a client behind this router sees it.
+
+:func:`route_concurrent` is the other contract, vLLM's push-mode proxy's:
+both legs at once under a transfer id the router makes (``xfer-<uuid>``);
+the prefill leg as above plus ``transfer_id``, the decode leg with
+``do_remote_prefill``, ``remote_engine_id`` / ``remote_host`` /
+``remote_port`` (here: the prefill daemon's node and peer address), the
+prefill's ``tp_size`` and ``pp_size``, ``remote_request_id`` and
+``transfer_id``, and no block ids. The decode allocates while the prefill
+computes; TTFT is the decode's first streamed token from the dispatch.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +67,72 @@ def route(
     return Routed(
         second.token_ids, first.elapsed_s + second.first_token_s, time.monotonic() - started, params
     )
+
+
+def route_concurrent(
+    prefill: VllmServer,
+    decode: VllmServer,
+    prompt: Sequence[int],
+    max_tokens: int,
+    *,
+    prefill_node: str,
+    prefill_address: str,
+    decode_prompt: Sequence[int] | None = None,
+    timeout_s: float = 120.0,
+) -> Routed:
+    """One request with both legs sent at once (vLLM's push-mode proxy's contract).
+
+    ``prefill_node`` and ``prefill_address`` (``host:port``) name the prefill
+    daemon, as that proxy's ``--prefill-engine-id`` and ``--prefill-kv-host``
+    / port name the prefill side. ``decode_prompt`` sends the decode leg
+    another prompt (a router's bug, for tests).
+    """
+    request_id = f"pd-{uuid.uuid4().hex}"
+    transfer_id = f"xfer-{uuid.uuid4()}"
+    host, _, port = prefill_address.rpartition(":")
+    prefill_params = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+        "transfer_id": transfer_id,
+        "kvpushd_decode_tp": decode.tp,
+        "kvpushd_decode_pp": decode.pp,
+    }
+    decode_params = {
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "remote_engine_id": prefill_node,
+        "remote_host": host,
+        "remote_port": int(port),
+        "tp_size": prefill.tp,
+        "pp_size": prefill.pp,
+        "remote_request_id": request_id,
+        "transfer_id": transfer_id,
+    }
+    started = time.monotonic()
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(
+            prefill.complete,
+            prompt,
+            1,
+            request_id=request_id,
+            kv_transfer_params=prefill_params,
+            timeout_s=timeout_s,
+        )
+        second = pool.submit(
+            decode.stream,
+            decode_prompt if decode_prompt is not None else prompt,
+            max_tokens,
+            request_id=request_id,
+            kv_transfer_params=decode_params,
+            timeout_s=timeout_s,
+        )
+        answer = second.result()
+        first.result()
+    return Routed(answer.token_ids, answer.first_token_s, time.monotonic() - started, decode_params)
 
 
 def prefill_leg(
