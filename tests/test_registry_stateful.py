@@ -49,7 +49,7 @@ ENGINES = (
 )
 BY_ID = {e.engine_id: e for e in ENGINES}
 IDS = ("r0", "r1", "r2", "r3", "r4")
-DEADLINES = Deadlines(registered=5.0, trimmed=5.0, writing=5.0, done=20.0, failed=10.0)
+DEADLINES = Deadlines(registered=5.0, trimmed=5.0, writing=5.0, done=20.0, failed=10.0, held=7.0)
 TOMBSTONE_LIMIT = 4
 
 # Set to False once the core bugs pinned by tests/test_registry.py
@@ -296,7 +296,7 @@ class RegistryMachine(RuleBasedStateMachine):
             event = kind(rid, inc)
         self._tell(event)
 
-    @rule(data=st.data(), what=st.sampled_from(["trim", "abort", "cancel", "release"]))
+    @rule(data=st.data(), what=st.sampled_from(["trim", "abort", "cancel", "release", "hold"]))
     def engine_or_peer_asks(self, data: st.DataObject, what: str) -> None:
         """plan_* for a live request or for any key (stale, unknown, live)."""
         rec = self._pick_live(data) if data.draw(st.integers(0, 3)) else None
@@ -309,8 +309,24 @@ class RegistryMachine(RuleBasedStateMachine):
             "abort": lambda: self.reg.plan_abort(rid, inc, Reason.ABORTED, "engine abort"),
             "cancel": lambda: self.reg.plan_abort(rid, inc, Reason.CANCELLED_BY_PEER, "peer"),
             "release": lambda: self.reg.plan_release(rid, inc),
+            # A decode side's hold: nothing to journal when it lengthens nothing.
+            "hold": lambda: [
+                held for held in [self.reg.check_hold(self.reg.lookup(rid, inc), self.now)] if held
+            ],
         }
         self._ask(plans[what], rid, inc)
+
+    @rule(data=st.data())
+    def decode_side_holds(self, data: st.DataObject) -> None:
+        """A queued decode request holds a pusher (maybe one that no longer waits)."""
+        rec = self._pick_live(data, Role.PUSHER)
+        if rec is None:
+            return
+        self._ask(
+            lambda: [h for h in [self.reg.check_hold(rec, self.now)] if h is not None],
+            rec.request_id,
+            rec.incarnation,
+        )
 
     @rule(engine=engine_st, resize=st.sampled_from([1, 1, 2]))
     def relayout(self, engine: str, resize: int) -> None:
@@ -460,7 +476,13 @@ class RegistryMachine(RuleBasedStateMachine):
             assert not self.reg.tombstones.covers(rid, rec.incarnation)
             assert rec.engine_id in self.reg.engines  # a busy engine cannot detach
             assert rec.entered_at <= self.now
-            assert rec.deadline == rec.entered_at + DEADLINES.for_state(rec.state)
+            if rec.role is Role.PUSHER and rec.state is State.REGISTERED:
+                # Holds lengthen the wait for the receiver, up to the bound.
+                bound = max(DEADLINES.held, DEADLINES.registered)
+                assert rec.entered_at + DEADLINES.registered <= rec.deadline
+                assert rec.deadline <= rec.entered_at + bound
+            else:
+                assert rec.deadline == rec.entered_at + DEADLINES.for_state(rec.state)
             # No deferred release is forgotten.
             assert self.reg.follow_up(rec) == []
             if rec.role is Role.RECEIVER:

@@ -85,7 +85,9 @@ def route_concurrent(
     ``prefill_node`` and ``prefill_address`` (``host:port``) name the prefill
     daemon, as that proxy's ``--prefill-engine-id`` and ``--prefill-kv-host``
     / port name the prefill side. ``decode_prompt`` sends the decode leg
-    another prompt (a router's bug, for tests).
+    another prompt (a router's bug, for tests). The decode leg cannot learn
+    that the prefill split its push (a decode with more TP ranks or stages),
+    so no split is asked for: such a pair computes on the decode side.
     """
     request_id = f"pd-{uuid.uuid4().hex}"
     transfer_id = f"xfer-{uuid.uuid4()}"
@@ -98,8 +100,6 @@ def route_concurrent(
         "remote_host": None,
         "remote_port": None,
         "transfer_id": transfer_id,
-        "kvpushd_decode_tp": decode.tp,
-        "kvpushd_decode_pp": decode.pp,
     }
     decode_params = {
         "do_remote_decode": False,
