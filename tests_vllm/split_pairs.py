@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,3 +184,35 @@ def a_split_push_mis_mapped_is_refused(
         events = decode.journal_events(share)
         assert not [e for e in events if isinstance(e, WriteDone)], events
         assert isinstance(events[-1], Released), events
+
+
+def a_split_push_fills_each_decode_rank(
+    prefill_side: Side,
+    decode_side: Side,
+    suffixes: Sequence[str],
+    refused_by: str,
+    slice_mark: str,
+    *,
+    seed: int,
+    decode_tp: int | None = None,
+    decode_pp: int | None = None,
+) -> None:
+    """A prefill told the decode's larger size: the negative control, then two P/D requests.
+
+    The control comes first (``connector.swap_split`` fires on the
+    prefill's first split push). Then each decode rank (or stage) loads its
+    share (a suffix of ``suffixes``) on its own engine, into its whole
+    blocks, and each share is read from the prefill's slice of the heads or
+    layers that rank holds (engine ids ending ``<slice_mark>0-1`` and
+    ``<slice_mark>1-2`` on the tiny model).
+    """
+    sizes = {"decode_tp": decode_tp, "decode_pp": decode_pp}
+    a_split_push_mis_mapped_is_refused(prefill_side, decode_side, suffixes, refused_by, **sizes)
+    rng = random.Random(seed)
+    for length in (40, 200):
+        prompt = [rng.randrange(2, 512) for _ in range(length)]
+        engines = load_split_across_ranks(prefill_side, decode_side, prompt, suffixes, **sizes)
+        ranks = sorted(suffix.rsplit("@", 1)[-1] for suffix in suffixes)
+        assert sorted(e.rsplit("-", 1)[-1] for e in engines.decode) == ranks, engines
+        read_from = sorted(e.rsplit(slice_mark, 1)[-1] for e in engines.prefill)
+        assert read_from == ["0-1", "1-2"], engines

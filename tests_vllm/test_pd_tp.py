@@ -50,7 +50,7 @@ from split_pairs import (
     TOKENS,
     Shape,
     Side,
-    a_split_push_mis_mapped_is_refused,
+    a_split_push_fills_each_decode_rank,
     load_split_across_ranks,
     not_paired,
     split_pair,
@@ -204,17 +204,10 @@ def _a_mis_mapped_rank_pair_is_refused_by_its_heads(tp2_and_tp1: list[Side]) -> 
 def test_a_tp1_prefill_told_the_decodes_tp_fills_each_tp2_rank_from_a_head_slice(
     tp2_and_tp1,
 ) -> None:
-    # First (the failpoint fires on the prefill's first split push): the negative control.
     two, one = tp2_and_tp1
-    a_split_push_mis_mapped_is_refused(one, two, ("@tp0", "@tp1"), "kv_head_range", decode_tp=2)
-    rng = random.Random(33)
-    for length in (40, 200):
-        prompt = [rng.randrange(2, 512) for _ in range(length)]
-        engines = load_split_across_ranks(one, two, prompt, ("@tp0", "@tp1"), decode_tp=2)
-        # Each decode rank loaded on its own engine, into its whole blocks,
-        # each share read from the prefill's slice holding that rank's head.
-        assert sorted(e.rsplit("-", 1)[-1] for e in engines.decode) == ["tp0", "tp1"], engines
-        assert sorted(e.rsplit("-kvh", 1)[-1] for e in engines.prefill) == ["0-1", "1-2"], engines
+    a_split_push_fills_each_decode_rank(
+        one, two, ("@tp0", "@tp1"), "kv_head_range", "-kvh", seed=33, decode_tp=2
+    )
 
 
 def test_a_tp1_prefill_not_told_the_decodes_tp_cannot_feed_it_and_the_decode_computes(
