@@ -11,11 +11,19 @@ write could still land in them. Now it reconnects, sees the same daemon
 process (its boot id), asks again (a duplicate: the registration holds),
 and waits: the write lands in blocks still held, the prompt's KV is loaded
 (the external-KV counter moves), and the tokens equal a single instance's.
+
+The prefill daemon's disk is slow too: every fdatasync of its group commit
+stalls 2 s, so every pusher registration and kv_ready is answered late.
+The connector's registrations have no time limit while the connection
+lives (issue 21, item 3): a slow answer is waited for, never taken for a
+refusal that would hand the blocks back while the write may still read
+them. The push lands, token-exact, and nothing fails.
 """
 
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +32,7 @@ import pytest
 from daemon.sim.launcher import Daemon, wait_idle
 from daemon.sim.vllm_router import prefill_leg
 from daemon.sim.vllm_servers import EXTERNAL_TOKENS, VllmServer, kvpushd_pd
-from schemas.events import Refused, Registered, WriteDone
+from schemas.events import Failed, Refused, Registered, WriteDone
 from schemas.reasons import Reason
 
 TOKENS = 8
@@ -36,7 +44,8 @@ def lossy_pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     with kvpushd_pd(
         tiny_model,
         tmp_path_factory.mktemp("pd-lost-answer"),
-        prefill_env={"KVPUSHD_FAILPOINTS": "nixl.post=sleep:1.5"},
+        # The prefill daemon's disk stalls 2 s on every group commit's fdatasync.
+        prefill_env={"KVPUSHD_FAILPOINTS": "nixl.post=sleep:1.5,journal.sync_fd=sleep:2"},
         decode_env={"KVPUSHD_FAILPOINTS": "engine.accepted=error@1"},
         kv_load_failure_policy="recompute",
     ) as pd:
@@ -69,3 +78,25 @@ def test_a_registration_whose_answer_was_lost_still_loads_its_kv(lossy_pd: PD) -
         params = prefill_leg(p, other)
         assert d.complete(other, TOKENS, kv_transfer_params=params).token_ids == want
     wait_idle(prefill, decode)
+
+
+def test_a_stalled_prefill_disk_delays_the_push_and_frees_nothing_early(lossy_pd: PD) -> None:
+    p, d, prefill, decode = lossy_pd
+    rng = random.Random(42)
+    prompt = [rng.randrange(2, 512) for _ in range(96)]
+    single = p.complete(prompt, TOKENS).token_ids
+    started = time.monotonic()
+    sent = prefill_leg(p, prompt)
+    before = d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer")
+    assert d.complete(prompt, TOKENS, kv_transfer_params=sent, timeout_s=60).token_ids == single
+    # The push waited on the stalled disk (a registration's record is durable first).
+    assert time.monotonic() - started > 2.0
+    loaded = d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer") - before
+    assert loaded >= len(prompt) - 1, loaded
+    wait_idle(prefill, decode)
+    transfer = sent["kvpushd_transfer_id"]
+    for daemon in (prefill, decode):
+        kinds = [type(e) for e in daemon.journal_events(transfer)]
+        assert WriteDone in kinds and Failed not in kinds and Refused not in kinds, kinds
+    log = p.log.read_text(errors="replace")
+    assert "not registered" not in log, "the prefill connector gave a push up"
