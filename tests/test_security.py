@@ -612,8 +612,10 @@ def test_a_client_that_never_reads_cannot_grow_the_daemon(pair: tuple[Daemon, Da
             os.unlink(region.path)
     growth = samples[-1][1] - samples[0][1]
     assert growth < 64 * 1024, samples
+    # Once the socket buffers are full it stops growing. (It may shrink: the
+    # allocator handing memory back once read a 14 MiB drop as "growth".)
     late = [kib for t, kib in samples if t > samples[0][0] + 3]
-    assert max(late) - min(late) < 8 * 1024, samples
+    assert max(late) - late[0] < 8 * 1024, samples
 
 
 def _flood_without_reading(sock_path: str, pid: int, seconds: float) -> list[tuple[float, int]]:
