@@ -75,6 +75,15 @@ DONE, RELEASED, FAILED = State.DONE, State.RELEASED, State.FAILED
 MAX_CONTENT: Final = 128
 
 
+def _check_content(request_id: str, content: str) -> None:
+    if len(content) > MAX_CONTENT:
+        raise Refusal(
+            Reason.BLOCK_OUT_OF_RANGE,
+            f"request {request_id}: content names {len(content)} characters, "
+            f"over the {MAX_CONTENT} allowed",
+        )
+
+
 def attention_ratio(layout: EngineLayout) -> int:
     """Kernel blocks per logical block of the engine's attention groups."""
     ratios = {g.per_logical for g in layout.groups if g.kind is GroupKind.ATTENTION}
@@ -324,12 +333,7 @@ class Registry:
         yet although no live request holds them (released, not yet zeroed).
         ``content`` names what the blocks hold (checked at the pairing).
         """
-        if len(content) > MAX_CONTENT:
-            raise Refusal(
-                Reason.BLOCK_OUT_OF_RANGE,
-                f"request {request_id}: content names {len(content)} characters, "
-                f"over the {MAX_CONTENT} allowed",
-            )
+        _check_content(request_id, content)
         layout = self._engine(engine_id)
         self._check_new_key(request_id, incarnation)
         self._check_pending(request_id, incarnation, role)
@@ -469,12 +473,7 @@ class Registry:
                 )
         if per_logical < 1:
             raise Refusal(Reason.BLOCK_OUT_OF_RANGE, f"per_logical must be >= 1, got {per_logical}")
-        if len(content) > MAX_CONTENT:
-            raise Refusal(
-                Reason.BLOCK_OUT_OF_RANGE,
-                f"request {request_id}: content names {len(content)} characters, "
-                f"over the {MAX_CONTENT} allowed",
-            )
+        _check_content(request_id, content)
         return PeerRegistered(
             request_id, incarnation, peer, engine_id, blocks, per_logical, fingerprint, content
         )
@@ -490,10 +489,10 @@ class Registry:
         """
         if record.role is not PUSHER:
             raise Refusal(Reason.ROLE_MISMATCH, f"request {record.request_id} is a receiver here")
-        event_until = min(now + self.deadlines.registered, record.entered_at + self.deadlines.held)
-        held = Held(record.request_id, record.incarnation, event_until)
+        until = min(now + self.deadlines.registered, record.entered_at + self.deadlines.held)
+        held = Held(record.request_id, record.incarnation, until)
         apply_transition(record, held, now, self._seconds)  # refused by the table or a guard
-        return held if event_until > record.deadline else None
+        return held if until > record.deadline else None
 
     def check_kv_ready(self, record: RequestRecord) -> KvReady:
         """The prefill engine's word that the KV is computed: pushers only."""

@@ -107,10 +107,10 @@ from daemon.client.engine_client import EngineClient
 from daemon.client.errors import ClientError, DaemonUnreachable, RpcError
 from daemon.client.kvfile import create_kv_file, sweep_stale_kv_files
 from daemon.client.vllm_layout import (
-    MAX_RANKS,
     check_supported,
     fingerprint,
     prompt_digest,
+    rank_count,
     rank_fingerprint,
     rank_map_problem,
     slice_fingerprint,
@@ -167,8 +167,6 @@ _MAX_SEEN = 65536
 # rank sits (the rank map pairs their heads, and each engine's own
 # fingerprint names its heads for the daemon to check).
 _ACROSS_RANKS = ("tp_size", "pp_size", "kv_head_range", "layer_range")
-# How a prefill request must have ended for its KV to be pushed: its prompt
-# was computed (it stopped, or hit its length). An abort pushes nothing.
 # A decode leg sent at once with the prefill's, as the connector took it
 # (_adopt_dispatch): the prefill's sizes the router named.
 CONCURRENT = "kvpushd_concurrent"
@@ -177,6 +175,8 @@ _MAX_TRANSFER_ID = 200
 # In the prefill's answer: the TP and PP sizes its shares are named by.
 TP_SPLIT = "kvpushd_split_tp"
 PP_SPLIT = "kvpushd_split_pp"
+# How a prefill request must have ended for its KV to be pushed: its prompt
+# was computed (it stopped, or hit its length). An abort pushes nothing.
 _COMPUTED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED})
 
 
@@ -225,6 +225,11 @@ class ReceiveSpec:
     # instance's when the prefill split its push for it (0: source_ranks).
     split_tp: int = 0
     content: str = ""  # this request's prompt digest: the daemon pairs only equal ones
+
+    @property
+    def shares_tp(self) -> int:
+        """The TP size the prefill's shares of this transfer are named by."""
+        return self.split_tp or self.source_ranks
 
 
 class _Source(NamedTuple):
@@ -450,7 +455,7 @@ class _SchedulerSide:
         block_size: int,
         fingerprint: Fingerprint,
         *,
-        hold_every_s: float = 5.0,
+        hold_every_s: float = HOLD_EVERY_S,
     ) -> None:
         self._node = node
         self._hold_every_s = hold_every_s
@@ -688,10 +693,7 @@ def _remember(memory: dict[str, Any], key: str, value: Any) -> None:
 
 def _split_of(params: dict[str, Any], key: str) -> int | None:
     """The TP or PP size the prefill named its shares by (None: unsaid or unreadable, its own)."""
-    split = params.get(key)
-    if isinstance(split, int) and not isinstance(split, bool) and 1 <= split <= MAX_RANKS:
-        return split
-    return None
+    return rank_count(params.get(key))
 
 
 def _router_transfer_id(params: dict[str, Any]) -> str | None:
@@ -700,10 +702,6 @@ def _router_transfer_id(params: dict[str, Any]) -> str | None:
     if isinstance(named, str) and 0 < len(named) <= _MAX_TRANSFER_ID and "@" not in named:
         return named
     return None
-
-
-def _size(value: Any) -> int | None:
-    return value if isinstance(value, int) and 1 <= value <= MAX_RANKS else None
 
 
 def _adopt_dispatch(params: dict[str, Any]) -> str | None:
@@ -729,8 +727,8 @@ def _adopt_dispatch(params: dict[str, Any]) -> str | None:
             "kvpushd_node": node,
             "kvpushd_address": f"{host}:{port}",
             CONCURRENT: True,
-            SOURCE_TP: _size(params.get("tp_size")) or 1,
-            SOURCE_PP: _size(params.get("pp_size")) or 1,
+            SOURCE_TP: rank_count(params.get("tp_size")) or 1,
+            SOURCE_PP: rank_count(params.get("pp_size")) or 1,
         }
     )
     return None
@@ -749,7 +747,7 @@ def _receive_spec(
         ranks, stages = params[SOURCE_TP], params[SOURCE_PP]
     else:
         sizes = [sent.get(k, 1) if isinstance(sent, dict) else 1 for k in ("tp_size", "pp_size")]
-        ranks, stages = (_size(n) or 1 for n in sizes)
+        ranks, stages = (rank_count(n) or 1 for n in sizes)
     return ReceiveSpec(
         request_id,
         str(params["kvpushd_transfer_id"]),
@@ -1164,11 +1162,11 @@ class _WorkerSide:
         head-major, or the layers are not one run of the group): the share
         is given up, and its decode rank's load fails at its deadline.
         """
-        if slices == 1 and layers == self._fingerprint.layer_range:
+        whole = layers == self._fingerprint.layer_range
+        if slices == 1 and whole:
             return self._engine_id
         if slices > 1 and not self._head_major:
             return ""
-        whole = layers == self._fingerprint.layer_range
         if not whole and not _holds_run(self._layer_ids or [], *layers):
             return ""
         return self._slice(layers, index, slices)
@@ -1239,7 +1237,7 @@ class _WorkerSide:
                 self._forgo_unread(forgone, generation)
                 return
         if self._rank == 0 and self._stage == 0:
-            ranks = forgone.split_tp or forgone.source_ranks
+            ranks = forgone.shares_tp
             for stage in range(forgone.source_stages):
                 for rank in range(ranks):
                     share = share_id(forgone.transfer_id, rank, ranks, stage, forgone.source_stages)
@@ -1294,7 +1292,7 @@ class _WorkerSide:
             self._tp_size,
             receive.source_ranks,
             self._instance.num_kv_heads,
-            receive.split_tp or receive.source_ranks,
+            receive.shares_tp,
         )
         if not self._head_major and any(source.slices > 1 for source in heads):
             raise UnmappableRanks(
@@ -1320,7 +1318,7 @@ class _WorkerSide:
         share = share_id(
             receive.transfer_id,
             heads.share_rank,
-            receive.split_tp or receive.source_ranks,
+            receive.shares_tp,
             source.stage,
             receive.source_stages,
         )

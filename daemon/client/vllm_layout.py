@@ -171,11 +171,17 @@ def rank_map_problem(
     return None
 
 
+def rank_count(value: object) -> int | None:
+    """A TP or PP size read from kv_transfer_params, if it is one (1..MAX_RANKS)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_RANKS:
+        return value
+    return None
+
+
 def _told(value: object, own: int) -> int | None:
     """A size the router named, if it is one larger than ``own`` (None otherwise)."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        return None
-    return value if own < value <= MAX_RANKS else None
+    told = rank_count(value)
+    return told if told is not None and told > own else None
 
 
 def split_tp(instance: Fingerprint, decode_tp: object) -> int:

@@ -326,7 +326,7 @@ class Node:
         if self.stopping:
             raise Refusal(Reason.DAEMON_RESTART, "the daemon is draining")
         engine = self.engines.own(session, req.engine_id)
-        if self._on_demand(req):
+        if req.role is RECEIVER and self._dials(req.peer, req.peer_address):
             # Dial the pusher's daemon (README.md, "Peers on demand"); then
             # check again what the wait may have changed.
             await self.peers.link_on_demand(req.peer, req.peer_address)
@@ -375,14 +375,13 @@ class Node:
             req.id, state=State.REGISTERED.value, offload_slots=event.offload_slots
         )
 
-    def _on_demand(self, req: rpc.RegisterRequest) -> bool:
-        """A receiver naming, by address, a peer that is not configured (and may link now)."""
+    def _dials(self, peer: str, address: str) -> bool:
+        """A peer named by address that is not configured (and may be linked now)."""
         return (
-            req.role is RECEIVER
-            and bool(req.peer)
-            and bool(req.peer_address)
+            bool(peer)
+            and bool(address)
             and self.config.on_demand_peers
-            and not self.peers.is_configured(req.peer)
+            and not self.peers.is_configured(peer)
         )
 
     def _check_fits(self, event: Registered) -> None:
@@ -442,11 +441,7 @@ class Node:
         """Tell the prefill daemon a queued decode request will register (rpc.Hold)."""
         if not req.peer:
             raise Refusal(Reason.UNKNOWN_REQUEST, "a hold must name the prefill node")
-        if (
-            req.peer_address
-            and self.config.on_demand_peers
-            and not self.peers.is_configured(req.peer)
-        ):
+        if self._dials(req.peer, req.peer_address):
             await self.peers.link_on_demand(req.peer, req.peer_address)
         if not self.peers.tell_peer(req.peer, pm.Hold(req.request_id, req.incarnation)):
             raise Refusal(Reason.PEER_DEAD, f"peer {req.peer!r} is not connected")
