@@ -76,11 +76,19 @@ class EngineSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     regions: tuple[RegionSpec, ...]
     fingerprint: Fingerprint | None = None
 
-    def layout(self, offload_slots: int = 0) -> EngineLayout:
-        """The part of the layout the core reasons about (with the offload pool's size)."""
+    def layout(self, offload_slots: int = 0, overlays: tuple[int, ...] = ()) -> EngineLayout:
+        """The part of the layout the core reasons about (with the offload pool's size).
+
+        ``overlays``: for each group, the group whose memory it lies over, or
+        -1 (statemachine/overlay.py finds them); () when none does.
+        """
+        under = overlays or (-1,) * len(self.groups)
         return EngineLayout(
             self.engine_id,
-            tuple(GroupLayout(g.kind, g.num_blocks, g.per_logical) for g in self.groups),
+            tuple(
+                GroupLayout(g.kind, g.num_blocks, g.per_logical, o)
+                for g, o in zip(self.groups, under, strict=True)
+            ),
             offload_slots,
             self.fingerprint,
         )

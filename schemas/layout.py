@@ -23,18 +23,28 @@ class GroupKind(enum.StrEnum):
     SSM = "ssm"
 
 
-class GroupLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class GroupLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """One KV-cache group of an engine.
 
     ``num_blocks`` counts kernel (physical) blocks: the unit the memory is
     laid out in and the unit block ids refer to after expansion.
     ``per_logical`` is how many kernel blocks one logical block of the
     engine's scheduler spans (1 for most models).
+    ``overlays``: the index of an earlier group whose memory this group's
+    blocks are (vLLM's hybrid allocator lays its groups over one pool, a
+    block id owned by one group at a time), so a block id has one owner
+    across both; -1: memory of its own. Omitted when -1, so layouts of
+    separate groups encode as they did before.
     """
 
     kind: GroupKind
     num_blocks: int
     per_logical: int = 1
+    overlays: int = -1
+
+    def pool(self, index: int) -> int:
+        """The group whose block ids name this group's (``index``: this group's own)."""
+        return index if self.overlays < 0 else self.overlays
 
 
 class EngineLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):

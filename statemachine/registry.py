@@ -62,7 +62,7 @@ from statemachine.trim import apply_prefix_caching, to_kernel_blocks
 
 DEFAULT_TOMBSTONE_LIMIT = 100_000
 
-_BlockKey = tuple[str, int]  # (engine id, group index)
+_BlockKey = tuple[str, int]  # (engine id, pool: the group whose block ids name the memory)
 
 # Module constants, not Enum attribute lookups: replay folds millions of
 # events, and each Enum class attribute access costs ~70 ns on 3.11.
@@ -117,6 +117,20 @@ def validate_layout(layout: EngineLayout) -> None:
                 f"engine {layout.engine_id} group {g}: num_blocks must be >= 0 and "
                 f"per_logical >= 1 (got {group.num_blocks}, {group.per_logical})",
             )
+        if group.overlays >= 0:
+            _check_overlay(layout, g)
+
+
+def _check_overlay(layout: EngineLayout, g: int) -> None:
+    """A group laid over another's memory names an earlier group of its own, equal in blocks."""
+    group = layout.groups[g]
+    under = layout.groups[group.overlays] if group.overlays < g else None
+    if under is None or under.overlays >= 0 or under.num_blocks != group.num_blocks:
+        raise Refusal(
+            Reason.GROUP_COUNT_MISMATCH,
+            f"engine {layout.engine_id} group {g} overlays group {group.overlays}: it must be "
+            f"an earlier group with memory of its own and as many blocks",
+        )
 
 
 def _check_expansion_fits(
@@ -157,6 +171,23 @@ def check_blocks(layout: EngineLayout, blocks: Blocks, what: str) -> None:
         ordered = sorted(ids)  # one call for both ends: cheaper than min() and max()
         if ordered[0] < 0 or ordered[-1] >= group.num_blocks or len(set(ids)) != len(ids):
             _refuse_blocks(layout, blocks.index(ids), ordered, what)
+    if any(group.overlays >= 0 for group in groups):
+        _check_overlaid(layout, blocks, what)
+
+
+def _check_overlaid(layout: EngineLayout, blocks: Blocks, what: str) -> None:
+    """No block twice across groups laid over one memory: it would be one block written twice."""
+    seen: dict[tuple[int, int], int] = {}
+    for g, (group, ids) in enumerate(zip(layout.groups, blocks, strict=True)):
+        pool = group.pool(g)
+        for block in ids:
+            other = seen.setdefault((pool, block), g)
+            if other != g:
+                raise Refusal(
+                    Reason.DUPLICATE_BLOCK,
+                    f"{what}: groups {other} and {g} both list block {block}, one memory "
+                    f"in engine {layout.engine_id}",
+                )
 
 
 def _refuse_blocks(layout: EngineLayout, g: int, ordered: list[int], what: str) -> None:
@@ -186,7 +217,7 @@ class Registry:
         self.live: dict[str, RequestRecord] = {}
         self.pending: dict[str, PendingPeer] = {}
         self.tombstones = Tombstones(tombstone_limit)
-        # Destination-block ownership, receivers only: (engine, group) -> block -> request.
+        # Destination-block ownership, receivers only: (engine, pool) -> block -> request.
         self._owners: dict[_BlockKey, dict[int, str]] = {}
         # Offload slots held by live requests, both ways: engine -> slot ->
         # request, and request -> its slots (in grant order).
@@ -199,7 +230,9 @@ class Registry:
         return self.live.get(request_id)
 
     def owner_of(self, engine_id: str, group: int, block: int) -> str | None:
-        return self._owners.get((engine_id, group), {}).get(block)
+        layout = self.engines.get(engine_id)
+        pool = layout.groups[group].pool(group) if layout is not None else group
+        return self._owners.get((engine_id, pool), {}).get(block)
 
     def owned_blocks(self) -> dict[_BlockKey, dict[int, str]]:
         return {key: dict(owners) for key, owners in self._owners.items() if owners}
@@ -281,9 +314,14 @@ class Registry:
                 f"{pending.registration.incarnation}, not {incarnation}",
             )
 
+    def _pools(self, engine_id: str) -> tuple[int, ...]:
+        """Each group's pool: the group whose block ids name its memory (its own, mostly)."""
+        return tuple(group.pool(g) for g, group in enumerate(self.engines[engine_id].groups))
+
     def _check_unowned(self, engine_id: str, blocks: Blocks, request_id: str) -> None:
+        pools = self._pools(engine_id)
         for g, ids in enumerate(blocks):
-            owners = self._owners.get((engine_id, g))
+            owners = self._owners.get((engine_id, pools[g]))
             if not owners or owners.keys().isdisjoint(ids):
                 continue  # none of these blocks is anyone's (the common case, checked in C)
             for block in ids:
@@ -650,11 +688,12 @@ class Registry:
 
     def _claim(self, record: RequestRecord) -> None:
         owned, engine_id, request_id = self._owners, record.engine_id, record.request_id
+        pools = self._pools(engine_id)
         for g, ids in enumerate(record.blocks):
             if ids:
-                owners = owned.get((engine_id, g))
+                owners = owned.get((engine_id, pools[g]))
                 if owners is None:
-                    owned[(engine_id, g)] = dict.fromkeys(ids, request_id)
+                    owned[(engine_id, pools[g])] = dict.fromkeys(ids, request_id)
                 else:
                     owners.update(dict.fromkeys(ids, request_id))
 
@@ -679,14 +718,16 @@ class Registry:
                     del self._slot_holders[record.engine_id]
         if record.role is RECEIVER:
             owned, engine_id = self._owners, record.engine_id
+            pools = self._pools(engine_id)
             for g, ids in enumerate(record.blocks):
-                owners = owned.get((engine_id, g))
+                key = (engine_id, pools[g])
+                owners = owned.get(key)
                 if owners is not None:
                     pop = owners.pop
                     for block in ids:
                         pop(block, None)
                     if not owners:
-                        del owned[(engine_id, g)]
+                        del owned[key]
         self.tombstones.add(record.request_id, record.incarnation)
 
     # -------------------------------------------------------------- snapshots

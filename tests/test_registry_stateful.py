@@ -46,6 +46,8 @@ ENGINES = (
     EngineLayout("flat", (GroupLayout(ATT, 12),), offload_slots=3),
     EngineLayout("wide", (GroupLayout(ATT, 16, per_logical=2),)),
     EngineLayout("hyb", (GroupLayout(ATT, 10), GroupLayout(SSM, 6)), offload_slots=2),
+    # vLLM's hybrid allocator: two groups laid over one memory, one owner per block id.
+    EngineLayout("over", (GroupLayout(ATT, 8), GroupLayout(ATT, 8, overlays=0))),
 )
 BY_ID = {e.engine_id: e for e in ENGINES}
 IDS = ("r0", "r1", "r2", "r3", "r4")
@@ -348,7 +350,8 @@ class RegistryMachine(RuleBasedStateMachine):
             layout = EngineLayout(
                 engine,
                 tuple(
-                    GroupLayout(g.kind, g.num_blocks * resize, g.per_logical) for g in layout.groups
+                    GroupLayout(g.kind, g.num_blocks * resize, g.per_logical, g.overlays)
+                    for g in layout.groups
                 ),
             )
         self._ask(lambda: self.reg.check_attach(layout), "", 0, engine)
@@ -405,8 +408,10 @@ class RegistryMachine(RuleBasedStateMachine):
         for rec in self.reg.live.values():
             if rec.role is not Role.RECEIVER:
                 continue
+            groups = self.reg.engines[rec.engine_id].groups
             for g, ids in enumerate(rec.blocks):
-                owners = expected.setdefault((rec.engine_id, g), {})
+                # Groups laid over one memory own a block id once (statemachine/overlay.py).
+                owners = expected.setdefault((rec.engine_id, groups[g].pool(g)), {})
                 for block in ids:
                     assert block not in owners, (
                         f"block {rec.engine_id}/{g}/{block} owned by {owners[block]} "

@@ -34,6 +34,7 @@ from schemas.reasons import Reason
 from schemas.state import RequestRecord
 from statemachine import Refusal
 from statemachine.notices import on_engine_back
+from statemachine.overlay import OverlayRefused, group_overlays
 from statemachine.reactions import Cause
 
 if TYPE_CHECKING:
@@ -133,7 +134,11 @@ class Engines:
             return rpc.Ok(req.id)
         # The pool's size is part of the layout: while live requests hold
         # slots (after a restart, say), the engine cannot come back with another.
-        attach = node.registry.check_attach(spec.layout(req.offload_slots))
+        try:
+            overlays = group_overlays(spec.groups)
+        except OverlayRefused as exc:
+            raise RegionError(f"engine {req.engine_id}: {exc}") from exc
+        attach = node.registry.check_attach(spec.layout(req.offload_slots, overlays))
         # Off the loop: opening the first VRAM region initializes CUDA in this
         # process (seconds), which must not stall heartbeats or other engines' RPCs.
         regions = await asyncio.to_thread(self._map_regions, spec, session.uid)
