@@ -147,6 +147,14 @@ POINTS: Final[Mapping[str, Point]] = MappingProxyType(
             io=False,
             corrupts=True,
         ),
+        "connector.reverse_group": Point(
+            "KvpushdConnector _WorkerSide._start_load (daemon/client/vllm.py): a decode load "
+            "of a model with several KV cache groups registers its first group's blocks in "
+            "reverse order (a planted misplacement of a sliding window's KV; one hit per "
+            "such load with two blocks or more in that group)",
+            io=False,
+            corrupts=True,
+        ),
         "integrity.shift_src": Point(
             "Integrity.wire_src (daemon/node/integrity.py): the pusher hands NIXL the "
             "front of its blocks instead of the trimmed tail (a planted front-trim)",

@@ -13,14 +13,19 @@ import msgspec
 import pytest
 
 from daemon.client.vllm_layout import (
+    NULL_BLOCK,
     SINGLE_RANK_SETTINGS,
     UnsupportedLayout,
     check_supported,
+    fingerprint,
+    group_windows,
+    moved_blocks,
     rank_fingerprint,
     rank_map_problem,
     slice_fingerprint,
     split_pp,
     split_tp,
+    window_gap,
 )
 from schemas.fingerprint import CONNECTOR_PROTOCOL, Fingerprint
 from statemachine.fingerprint import first_difference
@@ -48,9 +53,123 @@ def test_a_setting_this_vllm_does_not_have_counts_as_one() -> None:
     check_supported(SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1)))
 
 
-def test_more_than_one_kv_cache_group_is_refused() -> None:
-    with pytest.raises(UnsupportedLayout, match="2 KV cache groups"):
-        check_supported(_config(), SimpleNamespace(kv_cache_groups=[object(), object()]))
+# vLLM's spec classes, by name (the module under test never imports vLLM).
+class FullAttentionSpec(SimpleNamespace):
+    pass
+
+
+class SlidingWindowSpec(SimpleNamespace):
+    pass
+
+
+class MambaSpec(SimpleNamespace):
+    pass
+
+
+def _groups(*specs: SimpleNamespace, transfer: bool = True) -> SimpleNamespace:
+    return SimpleNamespace(
+        kv_cache_groups=[
+            SimpleNamespace(kv_cache_spec=spec, enable_kv_transfer=transfer) for spec in specs
+        ]
+    )
+
+
+HYBRID = _groups(
+    SlidingWindowSpec(block_size=32, sliding_window=48), FullAttentionSpec(block_size=32)
+)
+
+
+def test_sliding_window_beside_full_attention_is_accepted() -> None:
+    check_supported(_config(), HYBRID)
+    check_supported(_config(tensor_parallel_size=2), HYBRID)
+
+
+@pytest.mark.parametrize(
+    ("config", "groups", "says"),
+    [
+        (
+            _config(),
+            _groups(FullAttentionSpec(block_size=32), MambaSpec(block_size=32)),
+            "MambaSpec",
+        ),
+        (
+            _config(),
+            _groups(
+                FullAttentionSpec(block_size=32), FullAttentionSpec(block_size=32), transfer=False
+            ),
+            "not transferable",
+        ),
+        (
+            _config(),
+            _groups(
+                SlidingWindowSpec(block_size=16, sliding_window=8), FullAttentionSpec(block_size=32)
+            ),
+            "different block sizes",
+        ),
+        (_config(pipeline_parallel_size=2), HYBRID, "pipeline_parallel_size = 2"),
+    ],
+    ids=["mamba", "not-transferable", "block-sizes", "pipeline"],
+)
+def test_groups_this_connector_cannot_move_are_refused_by_name(
+    config: SimpleNamespace, groups: SimpleNamespace, says: str
+) -> None:
+    with pytest.raises(UnsupportedLayout, match="2 KV cache groups") as refused:
+        check_supported(config, groups)
+    assert says in str(refused.value)
+    assert "--disable-hybrid-kv-cache-manager" in str(refused.value)
+
+
+def test_each_group_names_its_window() -> None:
+    assert group_windows(HYBRID) == (48, 0)
+    assert group_windows(None) == (0,)
+    assert group_windows(_groups(FullAttentionSpec(block_size=32))) == (0,)
+
+
+def test_a_sliding_window_group_moves_only_its_blocks_inside_the_window() -> None:
+    # What vLLM handed the probe at the end of a 300-token prefill (window 48,
+    # blocks of 32): the sliding group's out-of-window blocks are its null block.
+    ends = ([NULL_BLOCK] * 7 + [26, 27, 28], [29, 30, 31, 32, 33, 34, 35, 36, 37, 38])
+    assert moved_blocks(ends, (48, 0)) == ((26, 27, 28), tuple(range(29, 39)))
+    # A full-attention group is moved as it is: block 0 there would be a real block.
+    assert moved_blocks(([0, 5],), (0,)) == ((0, 5),)
+    with pytest.raises(ValueError, match="2 block lists for 1"):
+        moved_blocks(([1], [2]), (0,))
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "gap"),
+    [(79, 48), (111, 48), (80, None), (78, None), (150, None), (47, None), (48, None)],
+)
+def test_a_prompt_whose_window_starts_a_freed_block_cannot_be_loaded(
+    prompt_len: int, gap: int | None
+) -> None:
+    # Window 48, blocks of 32: the prefill keeps tokens from len - 47 on; at
+    # len 79 that is token 32, a block start, so block 0 (holding token 31,
+    # which the decode's recomputed last token attends to) is gone.
+    assert window_gap(prompt_len, 32, (48, 0)) == gap
+    assert window_gap(prompt_len, 32, (0,)) is None
+
+
+def test_the_fingerprint_names_each_groups_window() -> None:
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(
+            model="/m",
+            revision=None,
+            dtype="torch.float32",
+            get_total_num_hidden_layers=lambda: 2,
+            get_total_num_kv_heads=lambda: 2,
+            get_head_size=lambda: 64,
+        ),
+        cache_config=SimpleNamespace(cache_dtype="auto", block_size=32),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+    )
+    hybrid = fingerprint(vllm_config, "0", kv_cache_config=HYBRID)
+    single = fingerprint(
+        vllm_config, "0", kv_cache_config=_groups(FullAttentionSpec(block_size=32))
+    )
+    assert hybrid.kv_layout.endswith(":groups=swa48,full")
+    # An instance with the hybrid allocator off does not pair with one that has it on.
+    assert first_difference(hybrid, single)[0] == "kv_layout"
 
 
 # ------------------------------------------------------------- rank pairing

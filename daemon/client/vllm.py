@@ -97,6 +97,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
@@ -107,8 +108,11 @@ from daemon.client.engine_client import EngineClient
 from daemon.client.errors import ClientError, DaemonUnreachable, RpcError
 from daemon.client.kvfile import create_kv_file, sweep_stale_kv_files
 from daemon.client.vllm_layout import (
+    Blocks,
     check_supported,
     fingerprint,
+    group_windows,
+    moved_blocks,
     prompt_digest,
     rank_count,
     rank_fingerprint,
@@ -116,6 +120,7 @@ from daemon.client.vllm_layout import (
     slice_fingerprint,
     split_pp,
     split_tp,
+    window_gap,
 )
 from schemas import rpc
 from schemas.fingerprint import Fingerprint
@@ -193,7 +198,7 @@ class PushSpec:
 
     request_id: str
     transfer_id: str
-    block_ids: tuple[int, ...]
+    block_ids: Blocks  # per KV cache group; () for none in any
     split_tp: int = 0
     split_pp: int = 0
     engine_id: str = ""
@@ -214,7 +219,7 @@ class ReceiveSpec:
 
     request_id: str
     transfer_id: str
-    block_ids: tuple[int, ...]
+    block_ids: Blocks  # per KV cache group; () for none in any
     peer: str
     peer_address: str
     source_ranks: int = 1
@@ -250,7 +255,8 @@ class _Load:
     """
 
     request_id: str
-    block_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]  # every group's (vLLM's groups share one block pool)
+    nbytes: int  # the KV it loads, for the stats
     generation: int  # the daemon connection it was posted under
     posted_at: float  # time.monotonic(), for its time in the stats
     shares: tuple[str, ...]
@@ -298,7 +304,7 @@ class KvpushdConnectorMetadata(KVConnectorMetadata):
     hold: list[ReceiveSpec] = field(default_factory=list)
 
 
-class KvpushdConnector(KVConnectorBase_V1):
+class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -314,8 +320,10 @@ class KvpushdConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         # What produced this instance's KV: the same on the scheduler and the worker.
         self._fingerprint = fingerprint(
-            vllm_config, vllm.__version__, str(extra.get("model_id") or "")
+            vllm_config, vllm.__version__, str(extra.get("model_id") or ""), kv_cache_config
         )
+        # Each KV cache group's sliding window in tokens (0: full attention).
+        self._windows = group_windows(kv_cache_config)
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if role is KVConnectorRole.SCHEDULER:
@@ -324,6 +332,7 @@ class KvpushdConnector(KVConnectorBase_V1):
                 self._address,
                 self._block_size,
                 self._fingerprint,
+                self._windows,
                 hold_every_s=float(extra.get("hold_every_s", HOLD_EVERY_S)),
             )
         else:
@@ -340,8 +349,17 @@ class KvpushdConnector(KVConnectorBase_V1):
                 engine_id += f"-pp{stage}"
             if tp_size > 1:
                 engine_id += f"-tp{rank}"
+            # Each KV cache group's layers (None: vLLM names no groups, one group).
+            groups = getattr(kv_cache_config, "kv_cache_groups", None)
             self._worker = _WorkerSide(
-                str(socket_path), engine_id, self._fingerprint, rank, tp_size, stage, pp_size
+                str(socket_path),
+                engine_id,
+                self._fingerprint,
+                rank,
+                tp_size,
+                stage,
+                pp_size,
+                group_layers=tuple(tuple(g.layer_names) for g in groups) if groups else None,
             )
 
     # ------------------------------------------------------------- scheduler
@@ -364,6 +382,12 @@ class KvpushdConnector(KVConnectorBase_V1):
 
     def request_finished(
         self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.finished(request, block_ids)
@@ -454,10 +478,12 @@ class _SchedulerSide:
         address: str,
         block_size: int,
         fingerprint: Fingerprint,
+        windows: tuple[int, ...] = (0,),
         *,
         hold_every_s: float = HOLD_EVERY_S,
     ) -> None:
         self._node = node
+        self._windows = windows
         self._hold_every_s = hold_every_s
         # Transfer id -> when its push was last held (time.monotonic()), for
         # the requests queued for blocks (bounded).
@@ -548,6 +574,12 @@ class _SchedulerSide:
 
         (What kind of reason, for the stats; what happened, for the log.)
         """
+        gap = window_gap(len(request.prompt_token_ids or ()), self._block_size, self._windows)
+        if gap is not None:
+            return vs.WINDOW, (
+                f"the prefill no longer holds the first token of the last prompt token's "
+                f"{gap}-token sliding window (it starts a block vLLM freed)"
+            )
         if params.get(CONCURRENT):
             # Both legs at once: the prefill has not answered, so there is no
             # fingerprint or prompt digest to compare here. The daemon checks
@@ -595,7 +627,7 @@ class _SchedulerSide:
             return
         # Only once: the second call (after the load) must not register again.
         params["do_remote_prefill"] = False
-        (block_ids,) = blocks.get_unhashed_block_ids_all_groups()
+        block_ids = moved_blocks(blocks.get_unhashed_block_ids_all_groups(), self._windows)
         self._first_time(str(params["kvpushd_transfer_id"]))
         self._held.pop(str(params["kvpushd_transfer_id"]), None)
         self._loading.add(request.request_id)
@@ -605,7 +637,7 @@ class _SchedulerSide:
         )
 
     def finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         if request.request_id in self._loading:
             # Finished while loading (an abort): vLLM keeps its blocks until the
@@ -625,7 +657,7 @@ class _SchedulerSide:
             if self._first_time(str(params["kvpushd_transfer_id"])):
                 self._pending.forgo.append(_receive_spec(request.request_id, params, ()))
             return False, None
-        if not params.get("do_remote_decode") or not block_ids:
+        if not params.get("do_remote_decode") or not any(block_ids):
             return False, None
         if request.status not in _COMPUTED or request.prompt_token_ids is None:
             # Aborted, or ended before its prompt was computed: nobody needs
@@ -644,7 +676,7 @@ class _SchedulerSide:
             PushSpec(
                 request.request_id,
                 transfer_id,
-                tuple(block_ids),
+                moved_blocks(block_ids, self._windows),
                 split_tp=by_tp,
                 split_pp=by_pp,
                 content=digest,
@@ -737,7 +769,7 @@ def _adopt_dispatch(params: dict[str, Any]) -> str | None:
 def _receive_spec(
     request_id: str,
     params: dict[str, Any],
-    block_ids: Any,
+    block_ids: Blocks,
     *,
     paired: bool = True,
     content: str = "",
@@ -751,7 +783,7 @@ def _receive_spec(
     return ReceiveSpec(
         request_id,
         str(params["kvpushd_transfer_id"]),
-        tuple(block_ids),
+        block_ids,
         str(params["kvpushd_node"]),
         str(params.get("kvpushd_address", "")),
         ranks,
@@ -835,8 +867,12 @@ class _WorkerSide:
         tp_size: int = 1,
         stage: int = 0,
         pp_size: int = 1,
+        *,
+        group_layers: tuple[tuple[str, ...], ...] | None = None,
     ) -> None:
         self._socket = socket_path
+        # The layer names of each KV cache group (None: every layer, one group).
+        self._group_layers = group_layers
         self._engine_id = engine_id
         # The instance's fingerprint; the engine's names the heads and layers this rank holds.
         self._instance = fingerprint
@@ -851,9 +887,9 @@ class _WorkerSide:
         self._rank = rank
         self._tp_size = tp_size
         # Head slices of this rank's blocks, one engine each, for a prefill
-        # with more ranks than this instance: engine id -> (group, fingerprint).
+        # with more ranks than this instance: engine id -> (groups, fingerprint).
         # Registered when first needed and again on every new connection.
-        self._slices: dict[str, tuple[GroupSpec, Fingerprint]] = {}
+        self._slices: dict[str, tuple[tuple[GroupSpec, ...], Fingerprint]] = {}
         self._slices_registered: set[str] = set()  # on the current connection
         self._slice_lock = asyncio.Lock()
         # Whether vLLM's tensors are head-major ([blocks, heads, ...]): only
@@ -899,7 +935,8 @@ class _WorkerSide:
         self._registering: dict[str, asyncio.Event] = {}
         # Transfers whose registration's answer a lost connection took (loop thread).
         self._unsure: dict[str, PushSpec | ReceiveSpec] = {}
-        self._block_nbytes = 0
+        # Bytes of one block of each group, over all its layers (for the stats).
+        self._group_nbytes: tuple[int, ...] = ()
         self.stats = vs.KvpushdStats()
 
     # memory -------------------------------------------------------------
@@ -922,6 +959,10 @@ class _WorkerSide:
                 "get_mem_pool_context(); the daemon cannot map it"
             )
         self._layer_ids = _layer_indices(kv_caches)
+        if self._group_layers is not None and len(self._group_layers) > 1:
+            # Several groups (pipeline stages of 1, check_supported): no
+            # share is ever a run of layers, so none is sliced by layer.
+            self._layer_ids = None
         if self._layer_ids is not None:
             # In model order, so a stage's layers are one run of the group's.
             order = sorted(range(len(self._layer_ids)), key=self._layer_ids.__getitem__)
@@ -935,11 +976,12 @@ class _WorkerSide:
                 "gives (VLLM_PP_LAYER_PARTITION is not supported): the other side could not "
                 "tell which layers this stage's KV is of"
             )
-        self._layout = _layout(kv_caches, allocation.buffer, self._path)
+        group_layers = self._group_layers or (tuple(kv_caches),)
+        self._layout = _layout(kv_caches, group_layers, allocation.buffer, self._path)
         held = self._fingerprint.kv_head_range[1] - self._fingerprint.kv_head_range[0]
         self._head_major = all(t.dim() == 4 and t.shape[1] == held for t in kv_caches.values())
-        (group,), _ = self._layout
-        self._block_nbytes = group.block_bytes * len(group.layers)
+        groups, _ = self._layout
+        self._group_nbytes = tuple(group.block_bytes * len(group.layers) for group in groups)
         # The file keeps its name while vLLM runs: a restarted daemon maps it
         # again when the connector registers anew.
         try:
@@ -1183,6 +1225,12 @@ class _WorkerSide:
             log.warning("kvpushd: %s: %s", receive.request_id, exc)
             self._load_nothing(receive)
             return
+        first = receive.block_ids[0] if len(receive.block_ids) > 1 else ()
+        if len(first) > 1 and failpoints.corrupts("connector.reverse_group"):
+            # The hybrid negative control: the first group's KV lands misplaced.
+            receive = dataclasses.replace(
+                receive, block_ids=(first[::-1], *receive.block_ids[1:])
+            )
         # The negative control's planted mis-mapping: each prefill rank's
         # receiver on the next rank's head slice (the daemon must refuse it).
         sliced = any(source.heads.slices > 1 for source in sources)
@@ -1202,7 +1250,8 @@ class _WorkerSide:
             return
         load = _Load(
             receive.request_id,
-            receive.block_ids,
+            _every_block(receive.block_ids),
+            self._nbytes(receive.block_ids),
             generation,
             time.monotonic(),
             tuple(share.transfer_id for share in shares),
@@ -1214,7 +1263,7 @@ class _WorkerSide:
 
     def _load_nothing(self, receive: ReceiveSpec) -> None:
         """End a load that registered nothing: its blocks are load errors (vLLM recomputes)."""
-        self._load_errors.update(receive.block_ids)
+        self._load_errors.update(_every_block(receive.block_ids))
         self._done_receiving.add(receive.request_id)
 
     def _forgo_all(self, forgone: ReceiveSpec, generation: int) -> None:
@@ -1341,24 +1390,30 @@ class _WorkerSide:
             slice_id += f"-kvh{heads[0]}-{heads[1]}"
         if slice_id not in self._slices:
             assert self._layout is not None
-            (group,), _ = self._layout
-            nbytes = group.block_bytes // slices
-            held = group.layers
-            if layers != self._fingerprint.layer_range:
-                assert self._layer_ids is not None  # _sources checked the run
-                start = self._layer_ids.index(layers[0])
-                held = held[start : start + layers[1] - layers[0]]
-            sliced = GroupSpec(
-                group.kind,
-                group.num_blocks,
-                nbytes,
-                tuple(LayerSpec(layer.region, layer.offset + index * nbytes) for layer in held),
-                group.per_logical,
-                block_stride=group.stride,
-            )
+            groups, _ = self._layout
+            sliced = tuple(self._slice_group(group, layers, index, slices) for group in groups)
             slice_print = slice_fingerprint(self._instance, heads, layers)
             self._slices[slice_id] = (sliced, slice_print)
         return slice_id
+
+    def _slice_group(
+        self, group: GroupSpec, layers: tuple[int, int], index: int, slices: int
+    ) -> GroupSpec:
+        """Head slice ``index`` of ``slices`` of one group's blocks, of ``layers`` only."""
+        nbytes = group.block_bytes // slices
+        held = group.layers
+        if layers != self._fingerprint.layer_range:
+            assert self._layer_ids is not None  # _sources checked the run (one group)
+            start = self._layer_ids.index(layers[0])
+            held = held[start : start + layers[1] - layers[0]]
+        return GroupSpec(
+            group.kind,
+            group.num_blocks,
+            nbytes,
+            tuple(LayerSpec(layer.region, layer.offset + index * nbytes) for layer in held),
+            group.per_logical,
+            block_stride=group.stride,
+        )
 
     async def _engine_ready(self, engine_id: str) -> None:
         """Make sure ``engine_id`` (this rank's, or a slice of it) is registered now."""
@@ -1371,8 +1426,8 @@ class _WorkerSide:
     async def _register_slice(self, client: EngineClient, slice_id: str) -> None:
         assert self._layout is not None
         _, region = self._layout
-        group, slice_print = self._slices[slice_id]
-        await client.register_engine(slice_id, (group,), (region,), fingerprint=slice_print)
+        groups, slice_print = self._slices[slice_id]
+        await client.register_engine(slice_id, groups, (region,), fingerprint=slice_print)
         self._slices_registered.add(slice_id)
 
     async def _push(self, push: PushSpec, generation: int) -> None:
@@ -1437,7 +1492,7 @@ class _WorkerSide:
             push.engine_id or self._engine_id,
             push.transfer_id,
             Role.PUSHER,
-            [list(push.block_ids)],
+            self._per_group(push.block_ids),
             timeout=_UNTIL_ANSWERED,
             content=push.content,
         )
@@ -1447,13 +1502,23 @@ class _WorkerSide:
             receive.engine_id or self._engine_id,
             receive.transfer_id,
             Role.RECEIVER,
-            [list(receive.block_ids)],
+            self._per_group(receive.block_ids),
             peer=receive.peer,
             # The decode daemon dials the prefill's on demand if it has no link.
             peer_address=receive.peer_address,
             timeout=_UNTIL_ANSWERED,
             content=receive.content,
         )
+
+    def _nbytes(self, block_ids: Blocks) -> int:
+        """The KV bytes of these blocks, over all their groups' layers."""
+        return sum(len(ids) * n for ids, n in zip(block_ids, self._group_nbytes, strict=False))
+
+    def _per_group(self, block_ids: Blocks) -> list[list[int]]:
+        """Block ids as the daemon takes them: one list per group (() is none in any)."""
+        if not block_ids:
+            return [[] for _ in self._group_nbytes or (0,)]
+        return [list(ids) for ids in block_ids]
 
     def _gave_up(self, transfer_id: str, exc: BaseException) -> None:
         reason = exc.code if isinstance(exc, RpcError) else "daemon_unavailable"
@@ -1548,9 +1613,7 @@ class _WorkerSide:
             # Never silently wrong KV: vLLM fails or recomputes these blocks.
             self._load_errors.update(load.block_ids)
         else:
-            self.stats.loaded(
-                len(load.block_ids) * self._block_nbytes, time.monotonic() - load.posted_at
-            )
+            self.stats.loaded(load.nbytes, time.monotonic() - load.posted_at)
         self._done_receiving.add(load.request_id)
 
     async def _release_then_free(self, transfer_id: str) -> None:
@@ -1693,17 +1756,37 @@ def _log_failure(future: Any) -> None:
         log.error("kvpushd: a daemon call failed: %r", exc)
 
 
+def _every_block(block_ids: Blocks) -> tuple[int, ...]:
+    """Every group's block ids in one tuple (vLLM's groups share one block pool)."""
+    return tuple(b for ids in block_ids for b in ids)
+
+
 def _layout(
-    kv_caches: dict[str, torch.Tensor], buffer: torch.Tensor, path: Path
+    kv_caches: dict[str, torch.Tensor],
+    group_layers: tuple[tuple[str, ...], ...],
+    buffer: torch.Tensor,
+    path: Path,
 ) -> tuple[tuple[GroupSpec, ...], RegionSpec]:
-    """One attention group whose layers are vLLM's per-layer views of the shared buffer.
+    """One attention group per KV cache group, its layers vLLM's views of the shared buffer.
 
     kvpushd's model: block ``b`` of layer ``l`` is ``block_bytes`` at
     ``offset(l) + b * block_bytes``; vLLM's CPU cache is exactly that (each
     layer's blocks back to back). Anything else is refused, not guessed.
+    vLLM's hybrid allocator lays its groups over the same tensors; the
+    daemon sees that from the offsets (statemachine/overlay.py).
     """
-    base = buffer.data_ptr()
     size = buffer.untyped_storage().nbytes()
+    order = list(kv_caches)
+    groups = []
+    for names in group_layers:
+        # In the order the worker sorted the layers (model order).
+        members = {name: kv_caches[name] for name in sorted(names, key=order.index)}
+        groups.append(_group(members, buffer.data_ptr(), size))
+    return tuple(groups), RegionSpec("kv", size, path=str(path))
+
+
+def _group(kv_caches: dict[str, torch.Tensor], base: int, size: int) -> GroupSpec:
+    """One group of layers: their blocks must agree in count and size."""
     layers: list[LayerSpec] = []
     shape: tuple[int, int] | None = None
     for name, tensor in kv_caches.items():
@@ -1722,5 +1805,4 @@ def _layout(
         layers.append(LayerSpec("kv", offset))
     if shape is None:
         raise ValueError("KvpushdConnector: vLLM registered no KV cache")
-    group = GroupSpec(GroupKind.ATTENTION, shape[0], shape[1], tuple(layers))
-    return (group,), RegionSpec("kv", size, path=str(path))
+    return GroupSpec(GroupKind.ATTENTION, shape[0], shape[1], tuple(layers))

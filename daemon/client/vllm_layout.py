@@ -10,6 +10,10 @@ never imports vLLM, so it is tested without it):
 - :func:`prompt_digest`: which prompt a transfer's KV was computed for, so
   that a router that changed the prompt between the legs gets a local
   prefill, never another prompt's KV.
+- :func:`group_windows`, :func:`moved_blocks`, :func:`window_gap`: which
+  blocks of a hybrid model's groups hold KV to move (a sliding-window group
+  moves only its window), and which prompts a decode cannot load (a window
+  the prefill no longer holds whole).
 - :func:`fingerprint`: what produced this instance's KV. The worker
   registers its engine with it, the prefill scheduler sends it in
   ``kv_transfer_params``, and the decode scheduler loads remote KV only when
@@ -52,6 +56,17 @@ SINGLE_RANK_SETTINGS: Final = (
 # A TP or PP size read from kv_transfer_params is believed up to this.
 MAX_RANKS: Final = 256
 
+# The KV cache groups moved when a model has more than one (vLLM's spec
+# classes, by name: this module never imports vLLM).
+FULL_ATTENTION: Final = "FullAttentionSpec"
+SLIDING_WINDOW: Final = "SlidingWindowSpec"
+HYBRID_KINDS: Final = frozenset({FULL_ATTENTION, SLIDING_WINDOW})
+# The block id vLLM's block pool keeps for "no block" (its null block, id 0,
+# never handed to a request): a sliding-window group's out-of-window blocks.
+NULL_BLOCK: Final = 0
+
+Blocks = tuple[tuple[int, ...], ...]  # block ids per KV cache group, in group order
+
 
 class UnsupportedLayout(ValueError):
     """This vLLM instance's KV cannot be paired by KvpushdConnector; the message says why."""
@@ -75,20 +90,89 @@ def check_supported(vllm_config: Any, kv_cache_config: Any = None) -> None:
             )
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
     if groups is not None and len(groups) > 1:
+        _check_hybrid(groups, getattr(parallel, "pipeline_parallel_size", 1))
+
+
+def _check_hybrid(groups: Sequence[Any], pp_size: int) -> None:
+    """Several KV cache groups (vLLM's hybrid allocator): moved when each is attention."""
+    start = f"KvpushdConnector: this model's KV cache has {len(groups)} KV cache groups"
+    fallback = "start vLLM with --disable-hybrid-kv-cache-manager, or use another KV connector"
+    for g, group in enumerate(groups):
+        kind = type(group.kv_cache_spec).__name__
+        if kind not in HYBRID_KINDS:
+            raise UnsupportedLayout(
+                f"{start}; group {g} is {kind}, and this connector moves full-attention and "
+                f"sliding-window groups only: {fallback}"
+            )
+        if not getattr(group, "enable_kv_transfer", True):
+            raise UnsupportedLayout(f"{start}; group {g} is not transferable: {fallback}")
+    if len({group.kv_cache_spec.block_size for group in groups}) > 1:
+        raise UnsupportedLayout(f"{start} with different block sizes: {fallback}")
+    if pp_size != 1:
         raise UnsupportedLayout(
-            f"KvpushdConnector: this model's KV cache has {len(groups)} KV cache groups "
-            f"(hybrid attention, e.g. sliding window beside full attention); this connector "
-            f"moves one group only: start vLLM with --disable-hybrid-kv-cache-manager where the "
-            f"model allows it, or use another KV connector"
+            f"{start} and pipeline_parallel_size = {pp_size} (--pipeline-parallel-size): "
+            f"several groups are moved with pipeline stages of 1 only; {fallback}"
         )
 
 
-def fingerprint(vllm_config: Any, engine_version: str, model_id: str = "") -> Fingerprint:
+def group_windows(kv_cache_config: Any) -> tuple[int, ...]:
+    """Each KV cache group's sliding window in tokens, in group order (0: full attention).
+
+    (0,) when vLLM names no groups: one full-attention group.
+    """
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    return tuple(
+        int(group.kv_cache_spec.sliding_window)
+        if type(group.kv_cache_spec).__name__ == SLIDING_WINDOW
+        else 0
+        for group in groups
+    ) or (0,)
+
+
+def moved_blocks(block_ids: Sequence[Sequence[int]], windows: Sequence[int]) -> Blocks:
+    """The blocks of each group that hold KV: a sliding-window group's inside its window.
+
+    vLLM puts its null block in place of a sliding-window group's blocks
+    that fell out of the window, on the prefill (when the request ends) and
+    on the decode (when it allocates) alike; those hold nothing to move, and
+    the daemon's tail trim pairs what is left from the end.
+    """
+    if len(block_ids) != len(windows):
+        raise ValueError(f"{len(block_ids)} block lists for {len(windows)} KV cache groups")
+    return tuple(
+        tuple(b for b in ids if b != NULL_BLOCK) if window else tuple(ids)
+        for ids, window in zip(block_ids, windows, strict=True)
+    )
+
+
+def window_gap(prompt_len: int, block_size: int, windows: Sequence[int]) -> int | None:
+    """The sliding window that lacks a token the decode needs for this prompt, or None.
+
+    A decode that loaded the whole prompt computes its last token again (at
+    ``prompt_len - 1``), which attends back to ``prompt_len - window``. The
+    prefill, done with the prompt, kept only what its next token attends to,
+    from ``prompt_len - window + 1`` on: when that starts a block, the block
+    holding ``prompt_len - window`` is gone on both sides, and the decode
+    would read vLLM's null block in its place.
+    """
+    for window in windows:
+        first_kept = prompt_len - window + 1
+        if window and first_kept > 0 and first_kept % block_size == 0:
+            return window
+    return None
+
+
+def fingerprint(
+    vllm_config: Any, engine_version: str, model_id: str = "", kv_cache_config: Any = None
+) -> Fingerprint:
     """The fingerprint of the KV this vLLM instance computes.
 
     The same on the scheduler and on every worker (all of it comes from the
     config). ``model_id`` replaces vLLM's ``--model`` value as the model's
     identity: for the same weights at different paths on different hosts.
+    A model with several KV cache groups names each group's window in the
+    layout (an instance with the hybrid allocator off holds one group, and
+    the two do not pair).
     """
     model = vllm_config.model_config
     cache = vllm_config.cache_config
@@ -98,6 +182,9 @@ def fingerprint(vllm_config: Any, engine_version: str, model_id: str = "") -> Fi
     layout = f"{device}:{getattr(backend, 'name', backend) or 'auto'}"
     if getattr(model, "use_mla", False):
         layout += ":mla"
+    windows = group_windows(kv_cache_config)
+    if len(windows) > 1 or any(windows):
+        layout += ":groups=" + ",".join(f"swa{w}" if w else "full" for w in windows)
     return Fingerprint(
         model=model_id or str(model.model),
         revision=str(model.revision or ""),

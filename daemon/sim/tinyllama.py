@@ -65,6 +65,11 @@ class TinyLlama:
     vocab_size: int = 512
     max_position_embeddings: int = 2048
     seed: int = 0
+    # Layers that attend to the last ``sliding_window`` tokens only (a hybrid
+    # model: vLLM's hybrid allocator gives them their own KV cache group).
+    # The weights do not depend on it: the same seed draws the same tensors.
+    sliding_layers: tuple[int, ...] = ()
+    sliding_window: int = 0
 
     def config(self) -> dict[str, Any]:
         """The ``config.json`` document (Hugging Face's llama keys)."""
@@ -91,6 +96,23 @@ class TinyLlama:
             "eos_token_id": 1,
             "torch_dtype": "float32",
             "kvpushd_tinyllama": asdict(self),
+            **self._attention(),
+        }
+
+    def _attention(self) -> dict[str, Any]:
+        """Hugging Face's per-layer attention keys, for a model with sliding layers."""
+        if not self.sliding_layers:
+            return {}
+        if self.sliding_window < 1 or not set(self.sliding_layers) <= set(
+            range(self.num_hidden_layers)
+        ):
+            raise ValueError("sliding_layers must be layer indices and sliding_window >= 1")
+        return {
+            "layer_types": [
+                "sliding_attention" if i in self.sliding_layers else "full_attention"
+                for i in range(self.num_hidden_layers)
+            ],
+            "sliding_window": self.sliding_window,
         }
 
     def shapes(self) -> Iterator[tuple[str, tuple[int, ...]]]:

