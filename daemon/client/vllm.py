@@ -1228,9 +1228,7 @@ class _WorkerSide:
         first = receive.block_ids[0] if len(receive.block_ids) > 1 else ()
         if len(first) > 1 and failpoints.corrupts("connector.reverse_group"):
             # The hybrid negative control: the first group's KV lands misplaced.
-            receive = dataclasses.replace(
-                receive, block_ids=(first[::-1], *receive.block_ids[1:])
-            )
+            receive = dataclasses.replace(receive, block_ids=(first[::-1], *receive.block_ids[1:]))
         # The negative control's planted mis-mapping: each prefill rank's
         # receiver on the next rank's head slice (the daemon must refuse it).
         sliced = any(source.heads.slices > 1 for source in sources)
