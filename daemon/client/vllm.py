@@ -41,7 +41,9 @@ thread, and events come back through a queue drained once per step.
   transfer: a second request with the same params (a retry) computes its
   prompt. A prefill request that ended by abort pushes nothing.
 - Shapes: TP ranks (each prefill rank's share is its own daemon request,
-  statemachine/ranks.py) and one KV cache group. Equal TP sizes pair rank
+  statemachine/ranks.py), and one group per vLLM KV cache group
+  (``SupportsHMA``: full attention and sliding window; a sliding-window
+  group moves only its blocks inside the window, vllm_layout.moved_blocks). Equal TP sizes pair rank
   to rank; a prefill with k times the decode's ranks writes each decode
   rank's blocks from k prefill ranks, each into the head slice that holds
   its heads (a slice engine over the same memory), and the decode rank's
