@@ -737,3 +737,81 @@ async def test_two_prefill_stages_fill_the_layers_of_one_decode_stage(pair, mis_
             await client.close()
         for path in paths:
             os.unlink(path)
+
+
+async def test_a_failed_share_fails_its_transfers_unstarted_shares_on_both_sides(pair):
+    """All or nothing across ranks: transfer T in three shares, T@tp0..2.
+
+    T@tp0's pairing is refused (the decode registered more blocks than the
+    prefill computed). No rank may be left waiting for a share that will not
+    come: the decode daemon fails T@tp1 and T@tp2 at once as
+    ``share_failed``, and so does the prefill daemon its T@tp1 (unless the
+    decode's cancel reached it first); T@tp2's pusher, which never
+    registered, is refused later as stale. Not one decode byte changes.
+    """
+    _, decode = pair
+    pe, de = await _engines(pair)
+    t = f"all-{_uid()}"
+    tp0, tp1, tp2 = (share_id(t, r, 3) for r in range(3))
+    try:
+        before = snapshot(de.view)
+        await de.decode_register(tp0, [[1, 2, 3, 4], [5]], "prefill")
+        await de.decode_register(tp1, [[10, 11], [12]], "prefill")
+        await de.decode_register(tp2, [[20, 21], [22]], "prefill")
+        await pe.prefill(tp1, [[30, 31], [32]], kv_ready=False)
+        await pe.prefill(tp0, [[7, 8], [9]], kv_ready=False)
+        refused = await de.wait_event(tp0, rpc.RequestFailed, timeout=20)
+        assert refused.reason == "decode_longer_than_prefill"
+        for share in (tp1, tp2):
+            failed = await de.wait_event(share, rpc.RequestFailed, timeout=20)
+            assert failed.reason == "share_failed", failed
+            assert tp0 in failed.message, failed
+        pushed = await pe.wait_event(tp1, rpc.RequestFailed, timeout=20)
+        assert pushed.reason in ("share_failed", "cancelled_by_peer"), pushed
+        with pytest.raises(RpcError) as late:
+            await pe.prefill(tp2, [[40, 41], [42]])
+        assert late.value.code == "stale_incarnation"
+        for share in (tp0, tp1, tp2):
+            await de.release(share)
+        for share in (tp0, tp1):
+            await pe.release(share)
+        assert changed_blocks(before, de.view) == []
+    finally:
+        await pe.close()
+        await de.close()
+    for daemon in pair:
+        for share in (tp0, tp1, tp2):
+            assert not any(isinstance(e, WriteStarted) for e in _events(daemon, share))
+    decode_tp2 = _events(decode, tp2)
+    assert [e.reason for e in decode_tp2 if isinstance(e, Failed)] == ["share_failed"]
+
+
+async def test_an_aborted_share_fails_the_others_its_prefill_daemon_holds(pair):
+    """The prefill side alone: two shares pushed before any decode registered.
+
+    The engine aborts T@tp0; its daemon fails T@tp1 as ``share_failed`` (no
+    decode is involved yet, so no cancel can race it), and a decode
+    registering T@tp1 afterwards is refused by the prefill daemon.
+    """
+    prefill, _ = pair
+    pe, de = await _engines(pair)
+    t = f"abort-{_uid()}"
+    tp0, tp1 = share_id(t, 0, 2), share_id(t, 1, 2)
+    try:
+        await pe.prefill(tp0, [[1, 2], [3]])
+        await pe.prefill(tp1, [[4, 5], [6]])
+        await pe.abort(tp0)
+        failed = await pe.wait_event(tp1, rpc.RequestFailed, timeout=20)
+        assert (failed.reason, tp0 in failed.message) == ("share_failed", True), failed
+        await de.decode_register(tp1, [[50, 51], [52]], "prefill")
+        gone = await de.wait_event(tp1, rpc.RequestFailed, timeout=20)
+        # Refused by the prefill daemon: its T@tp1 failed, nothing will be written.
+        assert gone.reason == "illegal_transition" and "state failed" in gone.message, gone
+        await de.release(tp1)
+        for share in (tp0, tp1):
+            await pe.release(share)
+    finally:
+        await pe.close()
+        await de.close()
+    reasons = [e.reason for e in _events(prefill, tp1) if isinstance(e, Failed)]
+    assert reasons[0] == "share_failed", reasons
