@@ -598,9 +598,8 @@ class Registry:
         """The live shares of ``failed``'s transfer that fail with it (``Stimulus.SHARE_FAILED``).
 
         A share is a daemon request ``T@pp<s>@tp<r>`` (statemachine/ranks.py);
-        a request that is no share (``T`` itself, one rank) has none and is
-        none. A failure those shares' own reactions caused fails nothing
-        more, so one failure is one pass.
+        a request that is no share (``T`` itself, one rank) has none and is none. A failure those shares' own
+        reactions caused fails nothing more, so one failure is one pass.
         """
         transfer = transfer_of(failed.request_id)
         if transfer == failed.request_id or failed.reason is Reason.SHARE_FAILED:
