@@ -59,9 +59,6 @@ class Reason(enum.StrEnum):
     # The receiver's checksums of the blocks that landed differ from the
     # pusher's checksums of its source blocks (verify, ARCHITECTURE.md).
     INTEGRITY_MISMATCH = "integrity_mismatch"
-    # Another rank's share of the same transfer failed (``T@tp<r>``,
-    # statemachine/ranks.py): a transfer loads all or nothing.
-    SHARE_FAILED = "share_failed"
 
 
 # Which reasons each journaled event can carry, for the metric families that
@@ -114,7 +111,6 @@ FAILURE_REASONS: frozenset[Reason] = frozenset(
         Reason.DAEMON_RESTART,
         Reason.REFUSED_BY_PEER,
         Reason.INTEGRITY_MISMATCH,
-        Reason.SHARE_FAILED,
         Reason.UNKNOWN_ENGINE,
         Reason.GROUP_COUNT_MISMATCH,
         Reason.DECODE_LONGER_THAN_PREFILL,

@@ -82,8 +82,6 @@ class Stimulus(enum.Enum):
     FAILURE = "failure"  # this daemon gave up (trim refused, transfer error, engine gone, drain)
     # receiver: the blocks that landed differ from the pusher's digests
     INTEGRITY_MISMATCH = "integrity_mismatch"
-    # another share of the request's transfer failed (statemachine/ranks.py)
-    SHARE_FAILED = "share_failed"
 
     __hash__ = object.__hash__  # as Cause's
 
@@ -108,7 +106,6 @@ _CAUSES: Final = MappingProxyType(
         Stimulus.WRITE_COMPLETED: Cause.DAEMON,
         Stimulus.FAILURE: Cause.DAEMON,
         Stimulus.INTEGRITY_MISMATCH: Cause.DAEMON,
-        Stimulus.SHARE_FAILED: Cause.DAEMON,
     }
 )
 
@@ -314,13 +311,6 @@ REACTIONS: Final[Mapping[Stimulus, Mapping[tuple[Role, State], _Reaction]]] = Ma
                                (PUSHER,   WRITING):      fail,
                                (RECEIVER, REGISTERED):   fail,
                                (RECEIVER, WRITING):      fail},
-    # All or nothing across a transfer's shares: those no write has started
-    # for fail with the first that fails; one already written to lands (its
-    # write will come, and nobody waits for a write that will not).
-    Stimulus.SHARE_FAILED: {
-                               (PUSHER,   REGISTERED):   fail,
-                               (PUSHER,   TRIMMED):      fail,
-                               (RECEIVER, REGISTERED):   fail},
     # Checked before the decode engine hears of the data: never kv_arrived.
     Stimulus.INTEGRITY_MISMATCH: {
                                (RECEIVER, REGISTERED):   integrity_failed,

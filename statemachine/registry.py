@@ -54,7 +54,6 @@ from schemas.state import (
 )
 from statemachine.errors import IllegalTransition, Refusal
 from statemachine.fingerprint import check_contents, check_fingerprints
-from statemachine.ranks import transfer_of
 from statemachine.reactions import Stimulus, Why, react, react_pending
 from statemachine.tombstones import Tombstones
 from statemachine.transitions import apply as apply_transition
@@ -63,8 +62,6 @@ from statemachine.trim import apply_prefix_caching, to_kernel_blocks
 
 DEFAULT_TOMBSTONE_LIMIT = 100_000
 
-# A share in these states has no write started for it (statemachine/reactions.py SHARE_FAILED).
-_UNSTARTED = frozenset({State.REGISTERED, State.TRIMMED})
 _BlockKey = tuple[str, int]  # (engine id, pool: the group whose block ids name the memory)
 
 # Module constants, not Enum attribute lookups: replay folds millions of
@@ -593,24 +590,6 @@ class Registry:
         """Events for an engine's release: honoured, or deferred while quarantined."""
         record = self.lookup(request_id, incarnation)
         return react(record, Stimulus.ENGINE_RELEASE)
-
-    def unstarted_shares(self, failed: Failed) -> list[RequestRecord]:
-        """The live shares of ``failed``'s transfer that fail with it (``Stimulus.SHARE_FAILED``).
-
-        A share is a daemon request ``T@pp<s>@tp<r>`` (statemachine/ranks.py);
-        a request that is no share (``T`` itself, one rank) has none and is none. A failure those shares' own
-        reactions caused fails nothing more, so one failure is one pass.
-        """
-        transfer = transfer_of(failed.request_id)
-        if transfer == failed.request_id or failed.reason is Reason.SHARE_FAILED:
-            return []
-        return [
-            record
-            for record in self.live.values()
-            if record.request_id not in (failed.request_id, transfer)
-            and record.state in _UNSTARTED
-            and transfer_of(record.request_id) == transfer
-        ]
 
     def follow_up(self, record: RequestRecord) -> list[RequestEvent]:
         """A deferred release becomes due once the quarantine lifts."""

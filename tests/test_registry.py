@@ -816,19 +816,3 @@ def test_a_hold_is_refused_for_a_receiver_and_a_pusher_already_paired() -> None:
     with pytest.raises(Refusal) as refused:
         n.reg.check_hold(paired, 1.0)
     assert refused.value.reason is Reason.ILLEGAL_TRANSITION
-
-
-def test_a_failed_share_names_the_shares_of_its_transfer_no_write_started_for() -> None:
-    n = Node()
-    n.register("t@tp0", RECEIVER, [[1]])
-    n.register("t@tp1", RECEIVER, [[2]])
-    n.register("t@tp2", RECEIVER, [[3]])
-    n.register("t", RECEIVER, [[4]])  # the bare id is no share of t
-    n.register("u@tp1", RECEIVER, [[5]])  # another transfer's share
-    n.do(WriteStarted("t@tp2", 1, 1, 4096))  # its write will come: it is left to land
-    failed = Failed("t@tp0", 1, Reason.DEADLINE_EXCEEDED, "deadline passed")
-    n.do(failed)
-    assert [r.request_id for r in n.reg.unstarted_shares(failed)] == ["t@tp1"]
-    # A failure the rule itself caused fails nothing more; a request that is no share has none.
-    assert n.reg.unstarted_shares(Failed("t@tp0", 1, Reason.SHARE_FAILED, "x")) == []
-    assert n.reg.unstarted_shares(Failed("t", 1, Reason.ABORTED, "x")) == []

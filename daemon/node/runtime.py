@@ -43,21 +43,12 @@ from daemon.node.windows import Windows
 from schemas import peer as pm
 from schemas import rpc
 from schemas.config import Config
-from schemas.events import (
-    DaemonStarted,
-    Event,
-    Failed,
-    Refused,
-    Registered,
-    Released,
-    RequestEvent,
-)
+from schemas.events import DaemonStarted, Event, Refused, Registered, Released, RequestEvent
 from schemas.layout import Role
 from schemas.reasons import Reason
 from schemas.state import PendingPeer, RequestRecord, State
 from schemas.status import StatusDocument
 from statemachine import Refusal, Registry
-from statemachine.ranks import transfer_of
 from statemachine.reactions import Cause, Stimulus, Why, react, react_pending
 
 VERSION = "0.1.0"
@@ -176,7 +167,6 @@ class Node:
         self._ledger.observers.append(self.transfers.observe)
         self._ledger.observers.append(self.integrity.observe)
         self._ledger.observers.append(self._observe)
-        self._ledger.observers.append(self._share_failed)
         self._ledger.observers.append(self._deadline_watch)
         self._ledger.after_durable[Released] = [self.engines.after_durable]
         self.log.info(
@@ -205,30 +195,6 @@ class Node:
     def _observe(self, event: Event, touched: object, ts: float) -> None:
         for observe in self.observers:
             observe(event, touched, ts)
-
-    def _share_failed(self, event: Event, touched: object, ts: float) -> None:
-        """A share's failure fails its transfer's shares no write has started for.
-
-        Their reaction (``Stimulus.SHARE_FAILED``) is committed after this
-        commit, in a task: an observer must not commit from inside one.
-        """
-        if type(event) is Failed:
-            shares = self.registry.unstarted_shares(event)
-            if shares:
-                keys = [(r.request_id, r.incarnation) for r in shares]
-                self.spawn(self._fail_shares(event, keys))
-
-    async def _fail_shares(self, failed: Failed, keys: list[tuple[str, int]]) -> None:
-        why = Why(
-            Reason.SHARE_FAILED,
-            f"share {failed.request_id} of transfer {transfer_of(failed.request_id)} failed "
-            f"({failed.reason.value}: {failed.message[:200]})",
-        )
-        for request_id, incarnation in keys:
-            record = self.current(request_id, incarnation)
-            if record is not None:
-                # Moved on meanwhile (a write started): the core calls for nothing.
-                await self.react(record, Stimulus.SHARE_FAILED, why)
 
     def attach_peers(self, manager: PeerManager) -> None:
         self.links = manager
