@@ -62,6 +62,7 @@ from statemachine.trim import apply_prefix_caching, to_kernel_blocks
 
 DEFAULT_TOMBSTONE_LIMIT = 100_000
 
+_ONE_POOL: tuple[int, ...] = (0,)  # a one-group engine's pools
 _BlockKey = tuple[str, int]  # (engine id, pool: the group whose block ids name the memory)
 
 # Module constants, not Enum attribute lookups: replay folds millions of
@@ -316,7 +317,11 @@ class Registry:
 
     def _pools(self, engine_id: str) -> tuple[int, ...]:
         """Each group's pool: the group whose block ids name its memory (its own, mostly)."""
-        return tuple(group.pool(g) for g, group in enumerate(self.engines[engine_id].groups))
+        groups = self.engines[engine_id].groups
+        if len(groups) == 1:
+            # The common case, on the apply path of every receiver: no tuple built.
+            return _ONE_POOL
+        return tuple(group.pool(g) for g, group in enumerate(groups))
 
     def _check_unowned(self, engine_id: str, blocks: Blocks, request_id: str) -> None:
         pools = self._pools(engine_id)
