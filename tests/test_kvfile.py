@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,18 +19,6 @@ import pytest
 from daemon.client.kvfile import KvFileError, create_kv_file, sweep_stale_kv_files
 
 PREFIX = "kvpushd-vllm-"
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A 1 MiB tmpfs, like a container's small /dev/shm."""
-    mount = tmp_path / "shm"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
 
 
 def test_a_file_too_big_for_its_tmpfs_is_one_clear_error_at_creation(small_tmpfs: Path) -> None:

@@ -28,7 +28,12 @@ from tests.support.imports import DYNAMIC, ImportGraph, chain_text, is_stdlib, i
 
 PACKAGE = ("daemon", "schemas", "statemachine")
 # The modules vLLM loads as KvpushdConnector: the only ones that import vllm.
-CONNECTOR = ("daemon.client.vllm", "daemon.client.vllm_stats", "daemon.client.vllm_layout")
+CONNECTOR = (
+    "daemon.client.vllm",
+    "daemon.client.vllm_stats",
+    "daemon.client.vllm_layout",
+    "daemon.client.vllm_staging",
+)
 
 
 @dataclass(frozen=True)

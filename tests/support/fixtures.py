@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -31,3 +33,15 @@ def solo_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     (solo,) = start_daemons(lambda: [Daemon("solo", workdir, free_port())])
     yield solo
     stop_cleanly(solo)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs, like a container's small /dev/shm."""
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
