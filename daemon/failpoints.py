@@ -155,6 +155,14 @@ POINTS: Final[Mapping[str, Point]] = MappingProxyType(
             io=False,
             corrupts=True,
         ),
+        "connector.skip_stage_in": Point(
+            "KvpushdConnector _WorkerSide._stage_in (daemon/client/vllm.py): with host "
+            "staging, a decode step's landed loads are reported finished without the copy "
+            "from the host mirror into vLLM's cache (a planted lost copy; one hit per step "
+            "that has landed loads)",
+            io=False,
+            corrupts=True,
+        ),
         "integrity.shift_src": Point(
             "Integrity.wire_src (daemon/node/integrity.py): the pusher hands NIXL the "
             "front of its blocks instead of the trimmed tail (a planted front-trim)",

@@ -2,7 +2,8 @@
 
 vLLM's hybrid allocator gives the tiny llama's sliding-window layer (48
 tokens) and its full-attention layer a KV cache group each, laid over the
-same tensors. KvpushdConnector implements ``SupportsHMA``: both groups
+same tensors (the decode side stages them through a host mirror,
+``kv_buffer = "host"``). KvpushdConnector implements ``SupportsHMA``: both groups
 move, the sliding-window group only inside its window (vLLM has put its
 null block in place of the rest on both sides), and the daemons own a
 block once across the two groups (statemachine/overlay.py). The oracle: a
@@ -40,8 +41,16 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
     with kvpushd_pd(
         model,
         tmp_path_factory.mktemp("pd-hybrid"),
-        # The negative control, on the decode's first load with a window of 2+ blocks.
-        decode_server_env={"KVPUSHD_FAILPOINTS": "connector.reverse_group=corrupt@1"},
+        # The negative controls: the decode's first load lands its window's
+        # blocks misplaced; its second is never copied into vLLM's cache.
+        decode_server_env={
+            "KVPUSHD_FAILPOINTS": (
+                "connector.reverse_group=corrupt@1,connector.skip_stage_in=corrupt@2"
+            )
+        },
+        # The decode stages through a host mirror (kv_buffer "host"), the
+        # prefill maps vLLM's cache itself: both modes meet in one pair.
+        decode_extra_config={"kv_buffer": "host"},
     ) as pair:
         yield pair
 
@@ -53,11 +62,13 @@ def _external(d: VllmServer) -> float:
 def test_both_groups_move_the_window_only_inside_it_token_exact(hybrid: PD) -> None:
     p, d, prefill, decode = hybrid
     rng = random.Random(61)
-    # The control first: the window's blocks misplaced change the tokens.
-    prompt = [rng.randrange(2, 512) for _ in range(200)]
-    single = p.complete(prompt, TOKENS).token_ids
-    sent = prefill_leg(p, prompt)
-    assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids != single
+    # The controls first: the window's blocks misplaced, then a load whose
+    # blocks never reach vLLM's cache from the mirror: each changes the tokens.
+    for control in ("reverse_group", "skip_stage_in"):
+        prompt = [rng.randrange(2, 512) for _ in range(200)]
+        single = p.complete(prompt, TOKENS).token_ids
+        sent = prefill_leg(p, prompt)
+        assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids != single, control
     for length in (40, 150, 200, 300):
         prompt = [rng.randrange(2, 512) for _ in range(length)]
         single = p.complete(prompt, TOKENS).token_ids

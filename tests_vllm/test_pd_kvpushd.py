@@ -1,7 +1,10 @@
 """Real vLLM prefill/decode through two kvpushd daemons, token for token.
 
 A prefill instance (KvpushdConnector, kv_producer) and a decode instance
-(kv_consumer), each pinned to its own core, each beside its own daemon; the
+(kv_consumer), both with host staging (``kv_buffer = "host"``: the daemons
+read and write host mirrors of vLLM's caches, the connectors copy blocks
+out after a prefill and in after a load), each pinned to its own core, each
+beside its own daemon; the
 daemons have no [[peers]]: the decode daemon dials the prefill's on demand,
 at the address the prefill put in ``kv_transfer_params``. The router is
 this test: it sends a prompt to the prefill instance with
@@ -42,7 +45,17 @@ PD = tuple[VllmServer, VllmServer, Daemon, Daemon]
 
 @pytest.fixture(scope="module")
 def pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
-    with kvpushd_pd(tiny_model, tmp_path_factory.mktemp("pd")) as pair:
+    # Host staging on both sides (daemon/client/vllm_staging.py): vLLM's
+    # cache is its own, the daemons see mirrors; every test of this module
+    # proves the staging's bookkeeping too. The other modules map vLLM's
+    # cache itself (kv_buffer "shared", the CPU default).
+    staged = {"kv_buffer": "host"}
+    with kvpushd_pd(
+        tiny_model,
+        tmp_path_factory.mktemp("pd"),
+        prefill_extra_config=staged,
+        decode_extra_config=staged,
+    ) as pair:
         yield pair
     # The connector removes its KV file at shutdown; when vLLM force-kills its
     # worker instead (it does, at times, on SIGTERM), the file outlives the
@@ -272,7 +285,11 @@ def test_the_connectors_stats_reach_vllms_metrics(pd: PD) -> None:
     def not_loaded(why: str) -> float:
         return d.metrics().total("vllm:kvpushd_not_loaded_total", why=why)
 
+    def staged(server: VllmServer, direction: str) -> float:
+        return server.metrics().total("vllm:kvpushd_staged_bytes_total", direction=direction)
+
     pushed, loaded, by_prompt = ended(p, "pushed"), ended(d, "loaded"), not_loaded("prompt")
+    out, into = staged(p, "out"), staged(d, "in")
     nbytes = d.metrics().total("vllm:kvpushd_loaded_bytes_total")
     timed = d.metrics().total("vllm:kvpushd_load_seconds_count")
     prompt = [rng.randrange(2, 512) for _ in range(100)]
@@ -297,6 +314,18 @@ def test_the_connectors_stats_reach_vllms_metrics(pd: PD) -> None:
         if isinstance(e, WriteStarted)
     ]
     assert d.metrics().total("vllm:kvpushd_loaded_bytes_total") - nbytes == started.nbytes
+    # Host staging copied the load's blocks mirror -> cache once, and each of
+    # the prefill's two pushes (same prompt) cache -> mirror; nothing else.
+    assert staged(d, "in") - into == started.nbytes
+    assert staged(p, "out") - out == 2 * started.nbytes
+    assert staged(p, "in") == 0 and staged(d, "out") == 0
+
+
+def test_both_sides_say_at_start_up_where_their_host_mirror_is(pd: PD) -> None:
+    p, d, _, _ = pd
+    for server in (p, d):
+        (line,) = [ln for ln in server.log.read_text().splitlines() if "host staging:" in ln]
+        assert "-byte mirror of 1 KV storage(s) on cpu in " in line, line
 
 
 def test_both_legs_at_once_under_the_routers_transfer_id_are_token_exact(pd: PD) -> None:

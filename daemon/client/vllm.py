@@ -124,6 +124,14 @@ from daemon.client.vllm_layout import (
     split_tp,
     window_gap,
 )
+from daemon.client.vllm_staging import (
+    SHARED,
+    Copy,
+    Staging,
+    StagingError,
+    block_major,
+    kv_buffer,
+)
 from schemas import rpc
 from schemas.fingerprint import Fingerprint
 from schemas.kvlayout import GroupSpec, LayerSpec, RegionSpec
@@ -151,7 +159,9 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger(__name__)
+# Under vLLM's logger tree: vLLM prints only that tree (its "vllm" logger
+# does not propagate), so the connector's lines reach vLLM's log this way.
+log = logging.getLogger(f"vllm.{__name__}")
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "kvpushd-vllm-"
@@ -258,6 +268,7 @@ class _Load:
 
     request_id: str
     block_ids: tuple[int, ...]  # every group's (vLLM's groups share one block pool)
+    blocks: Blocks  # per group, for host staging's copy
     nbytes: int  # the KV it loads, for the stats
     generation: int  # the daemon connection it was posted under
     posted_at: float  # time.monotonic(), for its time in the stats
@@ -353,6 +364,7 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
                 engine_id += f"-tp{rank}"
             # Each KV cache group's layers (None: vLLM names no groups, one group).
             groups = getattr(kv_cache_config, "kv_cache_groups", None)
+            device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
             self._worker = _WorkerSide(
                 str(socket_path),
                 engine_id,
@@ -362,6 +374,8 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
                 stage,
                 pp_size,
                 group_layers=tuple(tuple(g.layer_names) for g in groups) if groups else None,
+                buffer=kv_buffer(extra.get("kv_buffer"), str(device or "cpu")),
+                num_blocks=getattr(kv_cache_config, "num_blocks", None),
             )
 
     # ------------------------------------------------------------- scheduler
@@ -434,7 +448,8 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_mem_pool_context(self) -> contextlib.AbstractContextManager[Any] | None:
         assert self._worker is not None
-        return self._worker.shared_allocation()
+        # Host staging: vLLM allocates its cache as it always does.
+        return self._worker.shared_allocation() if self._worker.buffer == SHARED else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
@@ -871,8 +886,20 @@ class _WorkerSide:
         pp_size: int = 1,
         *,
         group_layers: tuple[tuple[str, ...], ...] | None = None,
+        buffer: str = SHARED,
+        num_blocks: int | None = None,
     ) -> None:
         self._socket = socket_path
+        # vLLM's block count (None: not told), to find each tensor's block dimension.
+        self._num_blocks = num_blocks
+        # Where the daemon reads and writes: vLLM's cache itself (shared), or
+        # a host mirror of it (host staging, daemon/client/vllm_staging.py).
+        self.buffer = buffer
+        self._staging: Staging | None = None
+        # Landed loads whose blocks still go mirror -> cache, and the copies
+        # under way with the loads they end (vLLM's thread).
+        self._to_stage_in: list[_Load] = []
+        self._staging_in: list[tuple[Copy, list[str]]] = []
         # The layer names of each KV cache group (None: every layer, one group).
         self._group_layers = group_layers
         self._engine_id = engine_id
@@ -949,13 +976,13 @@ class _WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         on_gpu = sorted({t.device.type for t in kv_caches.values()} - {"cpu"})
-        if on_gpu:
+        if on_gpu and self.buffer == SHARED:
             raise RuntimeError(
-                f"KvpushdConnector: the KV cache is on {', '.join(on_gpu)}; this connector "
-                "shares host-memory KV caches only (GPU caches through CUDA IPC are not built yet)"
+                f"KvpushdConnector: the KV cache is on {', '.join(on_gpu)}; kv_buffer = "
+                "'shared' maps host-memory KV caches only: use kv_buffer = 'host'"
             )
         allocation = self._allocation
-        if allocation is None or allocation.buffer is None:
+        if self.buffer == SHARED and (allocation is None or allocation.buffer is None):
             raise RuntimeError(
                 "KvpushdConnector: vLLM did not allocate its KV cache through "
                 "get_mem_pool_context(); the daemon cannot map it"
@@ -978,8 +1005,25 @@ class _WorkerSide:
                 "gives (VLLM_PP_LAYER_PARTITION is not supported): the other side could not "
                 "tell which layers this stage's KV is of"
             )
-        group_layers = self._group_layers or (tuple(kv_caches),)
-        self._layout = _layout(kv_caches, group_layers, allocation.buffer, self._path)
+        kv_caches, parts = block_major(kv_caches, self._num_blocks)
+        if any(len(names) > 1 for names in parts.values()):
+            # Keys and values are layers of their own: a layer slice is no run of them.
+            self._layer_ids = None
+        group_layers = tuple(
+            tuple(part for name in names for part in parts[name])
+            for names in self._group_layers or (tuple(parts),)
+        )
+        if self.buffer == SHARED:
+            assert allocation is not None and allocation.buffer is not None
+            buffer = allocation.buffer
+        else:
+            try:
+                self._staging = Staging.create(kv_caches, group_layers, self._path)
+            except StagingError as exc:
+                raise RuntimeError(str(exc)) from exc
+            # The daemon sees the mirror: same shapes, same offsets, its own file.
+            kv_caches, buffer = self._staging.mirror, self._staging.buffer
+        self._layout = _layout(kv_caches, group_layers, buffer, self._path)
         held = self._fingerprint.kv_head_range[1] - self._fingerprint.kv_head_range[0]
         self._head_major = all(t.dim() == 4 and t.shape[1] == held for t in kv_caches.values())
         groups, _ = self._layout
@@ -1153,6 +1197,12 @@ class _WorkerSide:
 
     def post(self, metadata: KvpushdConnectorMetadata) -> None:
         generation = self._generation
+        # Host staging: this step's finished prefills' blocks go to the
+        # mirror in one batch, and each push waits for it before it registers.
+        staged = Copy()
+        if self._staging is not None and metadata.push:
+            staged = self._staging.copy_out([push.block_ids for push in metadata.push])
+            self.stats.staged("out", staged.nbytes)
         for push in metadata.push:
             shares = self._shares(push)
             if not shares:
@@ -1161,7 +1211,7 @@ class _WorkerSide:
             self._pushes[push.request_id] = {share.transfer_id for share in shares}
             for share in shares:
                 self._sending[share.transfer_id] = (push.request_id, generation)
-                self._spawn(self._push(share, generation))
+                self._spawn(self._push(share, generation, staged))
         for receive in metadata.receive:
             self._start_load(receive, generation)
         if metadata.abort:
@@ -1251,6 +1301,7 @@ class _WorkerSide:
         load = _Load(
             receive.request_id,
             _every_block(receive.block_ids),
+            receive.block_ids,
             self._nbytes(receive.block_ids),
             generation,
             time.monotonic(),
@@ -1430,7 +1481,9 @@ class _WorkerSide:
         await client.register_engine(slice_id, groups, (region,), fingerprint=slice_print)
         self._slices_registered.add(slice_id)
 
-    async def _push(self, push: PushSpec, generation: int) -> None:
+    async def _push(self, push: PushSpec, generation: int, staged: Copy) -> None:
+        if not staged.done():
+            await asyncio.to_thread(staged.wait)
         if not push.engine_id:
             self._gave_up(
                 push.transfer_id,
@@ -1538,6 +1591,8 @@ class _WorkerSide:
             except queue.Empty:
                 break
             self._on_event(event)
+        if self._staging is not None:
+            self._stage_in()
         sending = {r for r in self._done_sending if r in self._finished_seen}
         self._done_sending -= sending
         self._finished_seen -= sending
@@ -1614,7 +1669,30 @@ class _WorkerSide:
             self._load_errors.update(load.block_ids)
         else:
             self.stats.loaded(load.nbytes, time.monotonic() - load.posted_at)
+            if self._staging is not None:
+                # Host staging: finished once its blocks are in vLLM's cache.
+                self._to_stage_in.append(load)
+                return
         self._done_receiving.add(load.request_id)
+
+    def _stage_in(self) -> None:
+        """Copy this step's landed loads mirror -> cache (one batch); end those copied."""
+        assert self._staging is not None
+        if self._to_stage_in:
+            loads, self._to_stage_in = self._to_stage_in, []
+            copy = Copy()
+            # The hybrid negative control's twin for staging: the KV never reaches vLLM.
+            if not failpoints.corrupts("connector.skip_stage_in"):
+                copy = self._staging.copy_in([load.blocks for load in loads])
+                self.stats.staged("in", copy.nbytes)
+            self._staging_in.append((copy, [load.request_id for load in loads]))
+        still = []
+        for copy, request_ids in self._staging_in:
+            if copy.done():
+                self._done_receiving.update(request_ids)
+            else:
+                still.append((copy, request_ids))
+        self._staging_in = still
 
     async def _release_then_free(self, transfer_id: str) -> None:
         if transfer_id not in self._posted:
@@ -1737,6 +1815,10 @@ class _WorkerSide:
         if self._allocation is not None and self._allocation.lock_fd is not None:
             os.close(self._allocation.lock_fd)
             self._allocation.lock_fd = None
+        if self._staging is not None:
+            self._staging.close()
+            os.close(self._staging.lock_fd)
+            self._staging = None
 
 
 def _outcome(event: Any, ok: str) -> str:

@@ -13,6 +13,9 @@ beside its own:
   instance's blocks;
 - ``vllm:kvpushd_load_seconds``: a load's time, from its registration to
   ``kv_arrived``;
+- ``vllm:kvpushd_staged_bytes_total{direction}``: with host staging
+  (``kv_buffer = "host"``), the KV bytes copied from vLLM's cache to the
+  daemon's host mirror (``out``, a prefill) and back (``in``, a decode);
 - ``vllm:kvpushd_not_loaded_total{why}``: decode requests that computed
   their prompt instead (``fingerprint``, ``prompt``, ``duplicate``), and
   prefill requests that pushed nothing (``not_needed``: aborted).
@@ -36,6 +39,7 @@ ENDED = "ended"
 LOADED_BYTES = "loaded_bytes"
 LOAD_SECONDS = "load_seconds"
 NOT_LOADED = "not_loaded"
+STAGED = "staged"  # bytes copied by host staging, per direction
 
 # Why a request did not use remote KV (NOT_LOADED's keys).
 FINGERPRINT = "fingerprint"
@@ -49,7 +53,7 @@ _LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 
 
 def _empty() -> dict[str, Any]:
-    return {ENDED: {}, LOADED_BYTES: 0, LOAD_SECONDS: [], NOT_LOADED: {}}
+    return {ENDED: {}, LOADED_BYTES: 0, LOAD_SECONDS: [], NOT_LOADED: {}, STAGED: {}}
 
 
 @dataclass
@@ -73,12 +77,17 @@ class KvpushdStats(KVConnectorStats):
     def not_loaded(self, why: str) -> None:
         _bump(self.data[NOT_LOADED], why)
 
+    def staged(self, direction: str, nbytes: int) -> None:
+        """Host staging copied ``nbytes`` cache -> mirror (``out``) or mirror -> cache (``in``)."""
+        if nbytes:
+            _bump(self.data[STAGED], direction, nbytes)
+
     def reset(self) -> None:
         self.data = _empty()
 
     def aggregate(self, other: KVConnectorStats) -> KvpushdStats:
         theirs = other.data
-        for key in (ENDED, NOT_LOADED):
+        for key in (ENDED, NOT_LOADED, STAGED):
             for name, count in theirs.get(key, {}).items():
                 _bump(self.data[key], name, count)
         self.data[LOADED_BYTES] += theirs.get(LOADED_BYTES, 0)
@@ -92,13 +101,19 @@ class KvpushdStats(KVConnectorStats):
         }
         summary |= {f"not_loaded_{why}": n for why, n in sorted(self.data[NOT_LOADED].items())}
         summary["loaded_bytes"] = self.data[LOADED_BYTES]
+        summary |= {f"staged_{way}_bytes": n for way, n in sorted(self.data[STAGED].items())}
         if seconds:
             summary["load_p50_ms"] = round(seconds[len(seconds) // 2] * 1000, 3)
             summary["load_max_ms"] = round(seconds[-1] * 1000, 3)
         return summary
 
     def is_empty(self) -> bool:
-        return not (self.data[ENDED] or self.data[NOT_LOADED] or self.data[LOAD_SECONDS])
+        return not (
+            self.data[ENDED]
+            or self.data[NOT_LOADED]
+            or self.data[LOAD_SECONDS]
+            or self.data[STAGED]
+        )
 
     def take(self) -> KvpushdStats | None:
         """This interval's stats (None if nothing happened); the next interval starts empty."""
@@ -134,6 +149,11 @@ class KvpushdPromMetrics(KVConnectorPromMetrics):
             documentation="Requests that used no remote KV although they asked, by why.",
             labelnames=[*labelnames, "why"],
         )
+        self._staged = self._counter_cls(
+            name="vllm:kvpushd_staged_bytes",
+            documentation="Host staging's KV bytes: cache -> mirror (out), mirror -> cache (in).",
+            labelnames=[*labelnames, "direction"],
+        )
         self._bytes = create_metric_per_engine(
             self._counter_cls(
                 name="vllm:kvpushd_loaded_bytes",
@@ -158,6 +178,8 @@ class KvpushdPromMetrics(KVConnectorPromMetrics):
             self._ended.labels(*labels, outcome).inc(count)
         for why, count in transfer_stats_data.get(NOT_LOADED, {}).items():
             self._not_loaded.labels(*labels, why).inc(count)
+        for direction, nbytes in transfer_stats_data.get(STAGED, {}).items():
+            self._staged.labels(*labels, direction).inc(nbytes)
         if transfer_stats_data.get(LOADED_BYTES):
             self._bytes[engine_idx].inc(transfer_stats_data[LOADED_BYTES])
         for seconds in transfer_stats_data.get(LOAD_SECONDS, ()):

@@ -500,6 +500,7 @@ def kvpushd_pd(
     decode_kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
     decode_extra_config: dict[str, Any] | None = None,
     decode_server_env: dict[str, str] | None = None,
+    prefill_extra_config: dict[str, Any] | None = None,
     **decode_config: Any,
 ) -> Iterator[tuple[VllmServer, VllmServer, Any, Any]]:
     """A prefill/decode pair through kvpushd: two daemons (no ``[[peers]]``), two servers.
@@ -518,7 +519,8 @@ def kvpushd_pd(
     (``[deadlines]``...); ``decode_kv_cache_bytes`` sizes the decode's KV
     cache, ``decode_extra_config`` adds its connector settings,
     ``decode_server_env`` to the decode vLLM server's environment (the
-    connector's ``KVPUSHD_FAILPOINTS``); the shared-memory
+    connector's ``KVPUSHD_FAILPOINTS``), ``prefill_extra_config`` the
+    prefill's connector settings (``kv_buffer``); the shared-memory
     segments servers of several ranks leave behind are removed after.
     The decode daemon dials the prefill's on demand. On exit the servers
     stop, then both daemons (one killed by the caller stays killed); a daemon
@@ -536,7 +538,10 @@ def kvpushd_pd(
     p = VllmServer(
         "P", prefill_model or model, workdir, core=cores[0], eager=eager and prefill_pp == 1,
         tp=prefill_tp, pp=prefill_pp,
-        extra_args=["--kv-transfer-config", kvpushd_connector_config("kv_producer", prefill)],
+        extra_args=[
+            "--kv-transfer-config",
+            kvpushd_connector_config("kv_producer", prefill, prefill_extra_config),
+        ],
     )  # fmt: skip
     d = VllmServer(
         "D", model, workdir, core=cores[-1], eager=eager and decode_pp == 1,
