@@ -66,7 +66,8 @@ lint: $(STAMP)
 # core), replay_bench (two-node postmortem), daemon_bench (daemon and bare
 # NIXL interleaved: pushes, lifecycle rate and CPU, added latency, idle CPU);
 # profile_lifecycle says where a lifecycle's CPU goes; verify_bench (issue 15)
-# what end-to-end checksums cost. Run on an idle machine.
+# what end-to-end checksums cost; staging_copy (issue 22) host staging's block
+# copies. Run on an idle machine.
 bench: $(STAMP)
 	$(BIN)/python -m bench.journal_bench
 	$(BIN)/python -m bench.core_bench
@@ -75,10 +76,12 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.daemon_bench
 	$(BIN)/python -m bench.verify_bench
 	$(BIN)/python -m bench.profile_lifecycle
+	$(BIN)/python -m bench.staging_copy
 
-# KvpushdConnector beside vLLM's NixlPushConnector on real vLLM (~6 min here).
+# KvpushdConnector beside vLLM's NixlPushConnector on real vLLM, and a second
+# kvpushd pair with host staging (kv_buffer "host") for its cost (~8 min here).
 bench-vllm: $(VLLM_STAMP)
-	$(VLLM_BIN)/python -m bench.vllm_pd_bench $(ARGS)
+	$(VLLM_BIN)/python -m bench.vllm_pd_bench --host-staging $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis build *.egg-info

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device check for GPU KV caches, on a machine with one NVIDIA GPU (the H200 device
-# machine): the VRAM unit tests, then bench/gpu_check.py (two daemons, two engine
+# machine): the VRAM unit tests, host staging's block copies timed and checked
+# (bench/staging_copy.py), then bench/gpu_check.py (two daemons, two engine
 # processes with CUDA-tensor KV caches, pushes verified on the GPU, 1 GiB through the
 # daemons against bare NIXL). Run from the repository root after bench/gpu_wheels.sh:
 #
@@ -38,8 +39,14 @@ unit=$?
 tail -n 15 "$logs/test_vram.txt"
 [ "$unit" -eq 0 ] && echo "unit tests: passed" || echo "unit tests: FAILED (exit $unit)"
 
+echo "== host staging's block copies, GPU cache <-> pinned /dev/shm mirror (GB/s per direction)"
+timeout -k 5 90 "$PY" -m bench.staging_copy --device cuda --no-record 2>&1 \
+    | tee "$logs/staging_copy.txt"
+staging=${PIPESTATUS[0]}
+[ "$staging" -eq 0 ] && echo "staging copies: passed" || echo "staging copies: FAILED (exit $staging)"
+
 echo "== end to end through two daemons"
 timeout -k 5 290 "$PY" -m bench.gpu_check --logs "$logs" "$@" 2>&1 | tee "$logs/gpu_check.txt"
 e2e=${PIPESTATUS[0]}
 if [ "$e2e" -ne 0 ]; then exit "$e2e"; fi
-[ "$unit" -eq 0 ] || exit 1
+[ "$unit" -eq 0 ] && [ "$staging" -eq 0 ] || exit 1

