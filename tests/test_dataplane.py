@@ -522,13 +522,14 @@ async def test_removing_the_remote_agent_fences_writes_in_flight(
 # windows: each peer writes through its own mapping, revocable alone
 
 
-async def test_a_revoked_window_faults_stale_writes_and_spares_other_peers(
+async def test_a_revoked_window_sinks_stale_writes_and_spares_other_peers(
     engines: Callable[..., Engine],
 ) -> None:
     # Two pushers ("peers") hold descriptors for one receiver engine, each
     # through its own window. Revoking p1's windows (what fencing p1 does)
-    # must make p1's next write, posted with its stale descriptor list, fail
-    # without changing a byte, while p2 keeps writing.
+    # must keep p1's next write, posted with its stale descriptor list, from
+    # changing a byte of the engine (it lands in the window's private sink),
+    # while p2 keeps writing.
     src, dst = engines("pre"), engines("dec")
     fill_pattern(src)
     fill_noise(dst, seed=3)
@@ -558,8 +559,7 @@ async def test_a_revoked_window_faults_stale_writes_and_spares_other_peers(
         assert await receiver.revoke_windows("p1") == len(dst.spec.regions)
         fill_noise(dst, seed=4)  # the blocks change hands: new contents
         after_revoke = dst.snapshot()
-        with pytest.raises(TransferError):
-            await write("p1", PARTIAL_SRC, PARTIAL_DST)
+        await write("p1", PARTIAL_SRC, PARTIAL_DST)  # swallowed by the sink
         assert_regions_equal(dst, after_revoke)
 
         other: Blocks = ((20, 21), (20, 21))

@@ -323,7 +323,7 @@ async def test_a_pusher_frozen_just_before_posting_cannot_write_once_fenced(
     # engine's addresses in hand. The decode daemon declares it dead, fences
     # it and hands the blocks back; then the prefill thaws and goes on to post
     # with those stale addresses. Fencing revoked the window they point
-    # into, so the write must fault: the freed blocks keep the bytes they had.
+    # into (a private sink now), so the freed blocks keep the bytes they had.
     pair = await started_pair(tmp_path, closing, {PREFILL: "nixl.post=stop@1"})
     steps = Steps(pair)
     prefill = pair.daemons[PREFILL]
@@ -355,17 +355,15 @@ async def test_a_pusher_frozen_just_before_posting_cannot_write_once_fenced(
 
     # The worker went on from the failpoint into make_prepped_xfer and
     # transfer() with the old descriptors; wait until that write settled.
-    # It cannot have succeeded; whether it is counted as failed or as
-    # cancelled depends on whether a deadline or the fence reached it before
-    # the fault was seen.
+    # It went into the revoked window's sink (or was cancelled first, by a
+    # deadline or the fence): either way it reached nobody's KV.
     def settled() -> dict[str, int] | None:
         st = prefill.status()
         dp = st["dataplane"]
-        done = not st["writes_in_flight"] and dp["write_errors"] + dp["writes_cancelled"] >= 1
-        return dp if done else None
+        ended = dp["writes"] + dp["write_errors"] + dp["writes_cancelled"]
+        return dp if not st["writes_in_flight"] and ended >= 1 else None
 
-    dataplane = await wait_until("the stale write settled", settled, 10.0)
-    assert dataplane["writes"] == 0, dataplane
+    await wait_until("the stale write settled", settled, 10.0)
     # Not one byte of the released blocks changed.
     assert steps.de.stray_changes() == []
     await steps.release(PREFILL, "late")

@@ -11,11 +11,27 @@ overwrite them.
 So each peer gets its own mapping of every engine region (a *window*): the
 same pages as the engine's, at addresses only that peer was told. Fencing a
 peer revokes its windows: one ``mmap(MAP_FIXED)`` replaces each window, in
-one step, with an inaccessible anonymous reservation. A write posted later
-with the old descriptors faults (EFAULT) on the pusher's side, and the
-reservation keeps the kernel from placing anything else at those addresses
-while the peer may still hold them. Other peers' windows are untouched, so
-their transfers go on.
+one step, with a *sink*: private anonymous memory at the same addresses,
+shared with nobody. A write posted later with the old descriptors lands in
+the sink, never in the engine's pages, and the sink keeps the kernel from
+placing anything else at those addresses while the peer may still hold
+them. Other peers' windows are untouched, so their transfers go on.
+
+Why a writable sink and not an inaccessible reservation: who copies the
+bytes depends on the transport. Over cma the pusher's kernel copies
+(``process_vm_writev``), and an inaccessible page would fail its write.
+Over TCP (two hosts) the *receiver's* UCX copies what arrives on its socket
+into the address the pusher named, trusting it; a partition that heals
+after the fence delivers a write the pusher's kernel still had buffered,
+and an inaccessible page there was a segmentation fault of this daemon
+(measured: tests/test_hosts.py). Over RDMA the NIC writes, and the memory
+deregistration that follows the revocation refuses it. A sink is safe for
+all three: late bytes reach nobody's KV. The pusher may see such a write
+succeed; it was fenced, so the receiver ended the request already and
+ignores whatever the pusher says of it.
+
+A sink's pages cost memory only where a late write touched them, until the
+peer comes back as a new process (``drop_revoked``).
 
 One residue, inherent to ``process_vm_writev``: a copy the kernel had already
 started (pages pinned) when the revocation ran completes; it was posted
@@ -35,7 +51,6 @@ from schemas.kvlayout import MemoryKind
 
 # Linux values (the same on x86_64 and aarch64); the mmap module does not
 # export them.
-_PROT_NONE: Final = 0
 _MAP_FIXED: Final = 0x10
 _MAP_NORESERVE: Final = 0x4000
 _MAP_FAILED: Final = ctypes.c_void_p(-1).value
@@ -65,8 +80,8 @@ def _mmap(addr: int | None, size: int, prot: int, flags: int, fd: int) -> int:
 class Window:
     """One peer's mapping of one region: ``base`` is what that peer writes to.
 
-    States: open (shared with the engine's pages), revoked (an inaccessible
-    reservation, still holding the addresses), closed (unmapped).
+    States: open (shared with the engine's pages), revoked (a private sink at
+    the same addresses, shared with nobody), closed (unmapped).
     """
 
     memory: Final = MemoryKind.DRAM
@@ -92,20 +107,20 @@ class Window:
         return self.state != "open"
 
     def revoke(self) -> None:
-        """Make every later access to the window fault; the addresses stay reserved."""
+        """Swap the engine's pages for a private sink: later writes reach nobody's KV."""
         if self.state != "open":
             return
         _mmap(
             self.base,
             self.size,
-            _PROT_NONE,
+            mmap.PROT_READ | mmap.PROT_WRITE,
             mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE,
             -1,
         )
         self.state = "revoked"
 
     def close(self) -> None:
-        """Unmap the window (or its reservation); only once no peer can still use the addresses."""
+        """Unmap the window (or its sink); only once no peer can still use the addresses."""
         if self.state == "closed":
             return
         if _libc.munmap(self.base, self.size) != 0:

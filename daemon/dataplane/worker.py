@@ -548,7 +548,7 @@ class Worker:
         n = 0
         for key in [k for k in st.windows if k[0] == peer]:
             entry = st.windows.pop(key)
-            # Revoke first: from here on a stale write faults, whatever NIXL does next.
+            # Revoke first: from here on a stale write lands in the sink, whatever NIXL does next.
             for window in entry.windows:
                 window.revoke()
             st.revoked.setdefault(peer, []).extend(entry.windows)
