@@ -123,7 +123,7 @@ class Daemon:
     node: str
     workdir: Path
     port: int
-    peers: list[tuple[str, int]] = field(default_factory=list)
+    peers: list[tuple[str, int]] = field(default_factory=list)  # on this loopback
     # Config lines: top-level keys first, then tables (not [journal]: see journal_extra).
     extra: str = ""
     env: dict[str, str] = field(default_factory=dict)
@@ -143,10 +143,20 @@ class Daemon:
     # (bench/profile_lifecycle.py): it profiles the loop thread alone.
     profile_to: Path | None = None
     profile_wall: bool = False  # the wall clock rather than the loop thread's CPU clock
+    # A host of its own (daemon/sim/hosts.py): the network namespace it runs
+    # in and the address it listens on there; peers elsewhere by address.
+    netns: str | None = None
+    host: str = "127.0.0.1"
+    peer_addresses: list[tuple[str, str]] = field(default_factory=list)  # (node, "ip:port")
 
     @property
     def socket(self) -> str:
         return str((self.socket_dir or self.workdir) / f"{self.node}.sock")
+
+    @property
+    def address(self) -> str:
+        """Where its peers reach it: ``ip:port``."""
+        return f"{self.host}:{self.port}"
 
     @property
     def journal(self) -> Path:
@@ -173,7 +183,7 @@ class Daemon:
         lines = [
             f"node = {toml_string(self.node)}",
             f"socket = {toml_string(self.socket)}",
-            f'listen = "127.0.0.1:{self.port}"',
+            f'listen = "{self.address}"',
             f"secret_file = {toml_string(str(self.secret_path))}",
             f"heartbeat_s = {self.timing.heartbeat_s}",
             f"peer_ttl_s = {self.timing.peer_ttl_s}",
@@ -182,8 +192,10 @@ class Daemon:
         ]
         # Top-level keys from `extra` must come before the first table.
         lines += [self.extra] if self.extra else []
-        for node, port in self.peers:
-            lines += ["[[peers]]", f"node = {toml_string(node)}", f'address = "127.0.0.1:{port}"']
+        peers = [(node, f"127.0.0.1:{port}") for node, port in self.peers] + self.peer_addresses
+        for node, address in peers:
+            lines += ["[[peers]]", f"node = {toml_string(node)}"]
+            lines += [f"address = {toml_string(address)}"]
         lines += ["[journal]", f"dir = {toml_string(str(self.journal))}", 'fsync = "batch"']
         lines += [self.journal_extra] if self.journal_extra else []
         path = self.config_path
@@ -205,8 +217,12 @@ class Daemon:
             if self.profile_to is not None:
                 clock = ["--wall"] if self.profile_wall else []
                 entry = ["daemon.sim.profiled", *clock, str(self.profile_to)]
+            argv = [sys.executable, "-m", *entry, "run", "--config", str(config)]
+            if self.netns is not None:
+                # `ip netns exec` execs the daemon: the pid is the daemon's.
+                argv = ["ip", "netns", "exec", self.netns, *argv]
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", *entry, "run", "--config", str(config)],
+                argv,
                 cwd=REPO,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
