@@ -23,6 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -34,7 +37,7 @@ import pytest
 from daemon.client import RpcError
 from daemon.journal.replay import replay
 from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
-from daemon.sim.hosts import UCX_OVER_THE_NETWORK, Hosts, remote_writes
+from daemon.sim.hosts import PREFIX, UCX_OVER_THE_NETWORK, Hosts, remote_writes, sweep_stale
 from daemon.sim.launcher import TEST_TIMING, Daemon, start_pair
 from schemas import rpc
 from schemas.events import Failed, WriteDone
@@ -149,6 +152,40 @@ async def _push(
     assert report.blocks_checked == sum(len(p) for p in pairs)
     await de.release(rid)
     await pe.release(rid)
+
+
+# ------------------------------------------------------------------ harness
+
+
+def _ours() -> tuple[list[str], str]:
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    return [n for n in namespaces.split() if n.startswith(PREFIX)], links
+
+
+def test_the_harness_removes_all_it_made_even_when_the_test_fails() -> None:
+    before, _ = _ours()
+    with pytest.raises(RuntimeError, match="the test failed"), Hosts(["a", "b"]) as hosts:
+        sleeper = subprocess.Popen(hosts["a"].command(["sleep", "600"]))
+        made = [hosts[n].netns for n in ("a", "b")]
+        assert set(made) <= set(_ours()[0])
+        raise RuntimeError("the test failed")
+    assert sleeper.wait(timeout=10) == -signal.SIGKILL  # what ran in a host is gone
+    after, links = _ours()
+    assert after == before and not set(made) & set(after)
+    assert f"{PREFIX}{os.getpid()}" not in links
+
+
+def test_namespaces_a_dead_run_left_behind_are_swept() -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid nobody has any more: the creator that crashed
+    stale = f"{PREFIX}{dead.pid}n1"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    try:
+        assert stale in sweep_stale()
+        assert stale not in _ours()[0]
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True)
 
 
 # ------------------------------------------------------------------ paths
@@ -338,4 +375,151 @@ async def test_a_partition_mid_write_fails_both_sides_and_the_other_host_keeps_w
         f"\npartition mid-write: the decode's blocks released by the fence in {released_s:.2f} s, "
         f"prefill {pushed.reason} in {failed_s:.2f} s; pushing again {recovered_s:.2f} s "
         "after the link came back"
+    )
+
+
+async def test_a_partition_that_heals_inside_the_ttl_delays_the_write_and_it_lands_whole(
+    cluster: Cluster,
+) -> None:
+    """A link down for a third of ``peer_ttl_s`` mid-write: nobody is declared dead.
+
+    TCP keeps the unacknowledged bytes and sends them again once the link is
+    back; the write completes, late, and is checked byte for byte; each side
+    ends the request exactly once, both "done". No request is lost or ends
+    twice.
+    """
+    hosts, prefill, decode1 = cluster.hosts, cluster["prefill"], cluster["decode1"]
+    tag = _uid()
+    rid = f"heal-{tag}"
+    async with (
+        await SimEngine.create(f"p-{tag}", Role.PUSHER, BIG, prefill.socket) as pe,
+        await SimEngine.create(f"d1-{tag}", Role.RECEIVER, BIG, decode1.socket) as d1,
+    ):
+        blocks = [list(range(1, 95))]
+        pairs = tail_pairs(pe.layout, blocks, d1.layout, blocks)
+        expect = Expectation(pe.engine_id, pairs)
+        await d1.decode_register(
+            rid, blocks, "prefill", expect=expect, peer_address=prefill.address
+        )
+        await pe.prefill(rid, blocks)
+        await _until(lambda: _writing(prefill), 10, "the write to start")
+        downs = (_downs(prefill, "decode1"), _downs(decode1, "prefill"))
+        hosts.cut("decode1")
+        await asyncio.sleep(TEST_TIMING.peer_ttl_s / 3)
+        hosts.mend("decode1")
+        arrived = await d1.wait_event(rid, (rpc.KvArrived, rpc.RequestFailed), timeout=30)
+        freed = await pe.wait_event(rid, (rpc.BlocksFreeable, rpc.RequestFailed), timeout=30)
+        assert isinstance(arrived, rpc.KvArrived), arrived
+        assert isinstance(freed, rpc.BlocksFreeable), freed
+        report = d1.reports[(rid, 1)]
+        assert report.ok and report.blocks_checked == len(blocks[0]), report.problems()
+        await d1.release(rid)
+        await pe.release(rid)
+    assert _ended(prefill, rid) == ["done"]
+    assert _ended(decode1, rid) == ["done"]
+    # Neither side declared the other dead: the link outlived the cut.
+    assert _peers(decode1)["prefill"]["up"] and _peers(prefill)["decode1"]["up"]
+    assert _downs(prefill, "decode1") == downs[0] and _downs(decode1, "prefill") == downs[1]
+
+
+def _downs(daemon: Daemon, peer: str) -> int:
+    """How often ``daemon`` has declared ``peer`` down so far."""
+    return sum(1 for line in _log_lines(daemon, "peer_down") if line["peer"] == peer)
+
+
+async def test_loss_in_one_direction_ends_in_both_sides_fencing_and_then_serving_again(
+    cluster: Cluster,
+) -> None:
+    """Everything sent to decode1 is lost; what decode1 sends still arrives.
+
+    decode1 hears no heartbeat and declares the prefill dead after
+    ``peer_ttl_s``; the prefill hears decode1 only until decode1's TCP stops
+    sending for want of acknowledgements, then declares it dead too. The
+    request in the middle ends failed on both sides, never kv_arrived; once
+    the loss ends the two link again and serve.
+    """
+    hosts, prefill, decode1 = cluster.hosts, cluster["prefill"], cluster["decode1"]
+    tag = _uid()
+    rid = f"oneway-{tag}"
+    async with (
+        await SimEngine.create(f"p-{tag}", Role.PUSHER, SMALL, prefill.socket) as pe,
+        await SimEngine.create(f"d1-{tag}", Role.RECEIVER, SMALL, decode1.socket) as d1,
+    ):
+        await _push_once_linked(pe, d1, prefill, f"warm-{tag}")  # linked before the loss
+        downs = (_downs(prefill, "decode1"), _downs(decode1, "prefill"))
+        told: list[rpc.Event] = []
+        d1.on_event = told.append
+        await d1.decode_register(rid, [[5, 6]], "prefill", peer_address=prefill.address)
+        hosts.drop_inbound("decode1")
+        lost_at = time.monotonic()
+        try:
+            await pe.prefill(rid, [[5, 6]])
+            pushed = await pe.wait_event(rid, (rpc.BlocksFreeable, rpc.RequestFailed), timeout=30)
+            fenced: dict[str, float] = {}
+            while len(fenced) < 2:
+                for side, peer, before in ((decode1, "prefill", 1), (prefill, "decode1", 0)):
+                    if side.node not in fenced and _downs(side, peer) > downs[before]:
+                        fenced[side.node] = time.monotonic() - lost_at
+                assert time.monotonic() - lost_at < 30, f"only {fenced} fenced"
+                await asyncio.sleep(0.01)
+            decode_s, prefill_s = fenced["decode1"], fenced["prefill"]
+            ended = await d1.wait_event(rid, (rpc.KvArrived, rpc.RequestFailed), timeout=30)
+        finally:
+            hosts.mend("decode1")
+        assert isinstance(pushed, rpc.RequestFailed), pushed
+        assert isinstance(ended, rpc.RequestFailed) and ended.reason == "peer_dead", ended
+        assert not [e for e in told if isinstance(e, rpc.KvArrived)]
+        assert len(_ended(prefill, rid)) == 1 and _ended(decode1, rid) == ["failed:peer_dead"]
+        await d1.release(rid)
+        await pe.release(rid)
+        recovered_s = await _push_once_linked(pe, d1, prefill, f"again-{tag}")
+    print(
+        f"\none-way loss: decode1 fenced the prefill after {decode_s:.2f} s, the prefill "
+        f"fenced decode1 after {prefill_s:.2f} s ({pushed.reason}); serving again "
+        f"{recovered_s:.2f} s after the loss ended"
+    )
+
+
+async def test_a_lost_host_is_fenced_its_requests_fail_and_the_others_are_served(
+    cluster: Cluster,
+) -> None:
+    """Every process of host ``gone`` killed and its namespace deleted, mid-request."""
+    hosts, prefill, gone = cluster.hosts, cluster["prefill"], cluster["gone"]
+    tag = _uid()
+    async with (
+        await SimEngine.create(f"p-{tag}", Role.PUSHER, BIG, prefill.socket) as pe,
+        await SimEngine.create(f"ps-{tag}", Role.PUSHER, SMALL, prefill.socket) as ps,
+        await SimEngine.create(f"d2-{tag}", Role.RECEIVER, SMALL, cluster["decode2"].socket) as d2,
+    ):
+        dg = await SimEngine.create(f"g-{tag}", Role.RECEIVER, BIG, gone.socket)
+        blocks = [list(range(1, 95))]
+        writing, waiting = f"lostw-{tag}", f"lostr-{tag}"
+        for rid, ids in ((writing, blocks), (waiting, [[95]])):
+            await dg.decode_register(rid, ids, "prefill", peer_address=prefill.address)
+        await pe.prefill(writing, blocks)  # a write under way...
+        await pe.prefill(waiting, [[95]], kv_ready=False)  # ...and one not yet ready
+        await _until(lambda: _writing(prefill), 10, "the write to start")
+        hosts.lose("gone")
+        lost_at = time.monotonic()
+        with contextlib.suppress(Exception):
+            await dg.close()
+        served = 0
+        while not _downs(prefill, "gone"):
+            await _push(ps, d2, prefill, f"meanwhile{served}-{tag}", [[1]], [[1]], on_demand=False)
+            served += 1
+            assert time.monotonic() - lost_at < 30, "the lost host was never fenced"
+        fenced_s = time.monotonic() - lost_at
+        for rid in (writing, waiting):
+            failed = await pe.wait_event(rid, (rpc.BlocksFreeable, rpc.RequestFailed), timeout=30)
+            assert isinstance(failed, rpc.RequestFailed), failed
+            assert len(_ended(prefill, rid)) == 1
+            await pe.release(rid)
+        await _push(ps, d2, prefill, f"after-{tag}", [[2]], [[2]], on_demand=False)
+    assert prefill.status()["live"] == 0
+    fenced = [f for f in _log_lines(prefill, "peer fenced") if f["peer"] == "gone"]
+    assert fenced, "no fence of the lost host in the prefill's log"
+    print(
+        f"\nhost lost: the prefill fenced it after {fenced_s:.2f} s and failed both its requests "
+        f"({[_ended(prefill, r)[0] for r in (writing, waiting)]}); {served} pushes to decode2 "
+        "meanwhile"
     )

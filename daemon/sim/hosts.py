@@ -167,8 +167,14 @@ class Hosts:
         return [h for n, h in self.hosts.items() if n != name and h.alive]
 
     def lose(self, name: str) -> None:
-        """The host vanishes: every process in it killed, its namespace and link gone."""
+        """The host vanishes: every process in it killed, its namespace and link gone.
+
+        The link goes down first, as when a machine loses power: a killed
+        process's sockets would otherwise send their FIN or RST, and the
+        peers would learn of the loss at once instead of by silence.
+        """
         host = self.hosts[name]
+        self.cut(name)
         _kill_all(host)
         _ip("netns", "del", host.netns, check=False)
         _ip("link", "del", host.link, check=False)
