@@ -37,6 +37,7 @@ import numpy as np
 
 from bench.results import machine, write_section
 from daemon.dataplane.memory import SHM_ROOT, MappedRegion, create_shm_file, map_dram_region
+from daemon.sim.hosts import enter_for_good
 
 KIB = 1 << 10
 MIB = 1 << 20
@@ -118,9 +119,15 @@ def _block_rows(base: int, block_bytes: int, n: int) -> np.ndarray:
 
 
 def _receiver(
-    conn: Connection, total_bytes: int, poll_interval_s: float, timer_slack_ns: int | None
+    conn: Connection,
+    total_bytes: int,
+    poll_interval_s: float,
+    timer_slack_ns: int | None,
+    netns: str | None = None,
 ) -> None:
     """Own a region, poll notifications, check each run's bytes, ack over the pipe."""
+    if netns is not None:
+        enter_for_good(netns)  # before any thread or agent: they inherit it
     set_timer_slack(timer_slack_ns)
     region, path = _own_region("dst", total_bytes)
     agent = _agent(f"bare-recv-{os.getpid()}")
@@ -214,18 +221,28 @@ def run_bare(
     layouts: tuple[str, ...] = LAYOUTS,
     poll_interval_s: float = POLL_INTERVAL_S,
     timer_slack_ns: int | None = TIMER_SLACK_NS,
+    hosts: tuple[str, str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> list[BareResult]:
     """Measure bare NIXL WRITEs between two processes; one result per (block size, layout).
 
     The calling process is the sender and must hold no other NIXL agent; its
-    calling thread keeps the timer slack set here.
+    calling thread keeps the timer slack set here. ``hosts``: the network
+    namespaces (daemon/sim/hosts.py) of the sender and the receiver; the
+    calling thread moves into the sender's for good. ``env``: set in this
+    process (and so the receiver's) before either agent exists (UCX_TLS...).
     """
     if any(total_bytes % b for b in block_sizes):
         raise ValueError("total_bytes must be a multiple of every block size")
+    os.environ.update(env or {})
+    if hosts is not None:
+        enter_for_good(hosts[0])
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(
-        target=_receiver, args=(child, total_bytes, poll_interval_s, timer_slack_ns), daemon=True
+        target=_receiver,
+        args=(child, total_bytes, poll_interval_s, timer_slack_ns, hosts[1] if hosts else None),
+        daemon=True,
     )
     proc.start()
     set_timer_slack(timer_slack_ns)

@@ -177,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--keep", action="store_true", help="keep the work folder and its journals afterwards"
     )
     demo.add_argument("--seed", type=int, default=0, help="seed of the request mix (default 0)")
+    demo.add_argument(
+        "--hosts",
+        action="store_true",
+        help="run each daemon on a host of its own: a network namespace with its own address, "
+        "UCX over TCP between them (root)",
+    )
     demo.set_defaults(func=cmd_demo)
 
     journal = sub.add_parser("journal", help="inspect a journal (directory or segment file)")

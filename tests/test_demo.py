@@ -154,6 +154,22 @@ def test_demo_other_seed_cleans_up(tmp_path: Path) -> None:
     assert set(_demo_shm_files()) <= before
 
 
+def test_demo_across_hosts_runs_each_daemon_in_its_own_network_namespace(tmp_path: Path) -> None:
+    workdir = tmp_path / "hosts"
+    result = _demo("--hosts", "--requests", "30", "--workdir", str(workdir), "--keep")
+    assert result.returncode == 0, result.stdout + result.stderr
+    _check_summary(result.stdout, 30, 0)
+    hosts = re.search(r"hosts: prefill at (\S+), decode at (\S+) \(", result.stdout)
+    assert hosts, result.stdout
+    # Each daemon listened on its host's address, and the decode daemon's
+    # peer link came from the prefill host's.
+    prefill_log = (workdir / "prefill.log").read_text()
+    assert f'"host": "{hosts[1]}"' in prefill_log
+    assert f'"remote": "{hosts[2]}:' in prefill_log
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "kvp" not in namespaces  # removed with the daemons
+
+
 @pytest.mark.slow
 def test_wrong_bytes_fail_the_demo(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]

@@ -52,7 +52,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, TextIO, TypeVar
+from typing import Any, Final, TextIO, TypeVar
 
 from daemon.client import ClientError
 from daemon.sim.demo_daemons import (
@@ -88,6 +88,7 @@ from daemon.sim.demo_push import (
 )
 from daemon.sim.demo_report import Progress, RunResult, plural, print_summary
 from daemon.sim.engine import SimError
+from daemon.sim.hosts import UCX_TCP, Hosts
 from daemon.sim.launcher import free_port, write_secret
 
 SOCKET_PATH_MAX: Final = 100  # sun_path is 108 bytes; keep a margin
@@ -109,9 +110,12 @@ class Options:
     workdir: Path | None
     keep: bool
     seed: int
+    hosts: bool = False  # each daemon on a host of its own: a network namespace, UCX over TCP
 
 
 def _check_options(opts: Options) -> str | None:
+    if opts.hosts and os.geteuid() != 0:
+        return "--hosts makes network namespaces: run it as root"
     if opts.requests < 1:
         return "--requests must be at least 1"
     if not 64 <= opts.block_size <= 16 * 2**20:
@@ -272,36 +276,61 @@ def run_demo(opts: Options, out: TextIO) -> int:
         note = "kept (--keep)" if opts.keep else "removed at the end"
         out.write(f"  work folder {workdir} ({note})\n")
         out.flush()
-        p_port, d_port = free_port(), free_port()
-        prefill, decode = (
+        with contextlib.ExitStack() as stack:
+            hosts = stack.enter_context(Hosts([PREFILL, DECODE])) if opts.hosts else None
+            if hosts is not None:
+                out.write(
+                    f"  hosts: {PREFILL} at {hosts[PREFILL].address}, {DECODE} at "
+                    f"{hosts[DECODE].address} (network namespaces; UCX over TCP)\n"
+                )
+            daemons = _daemons(workdir, sockets, hosts)
+            return _run_daemons(plan, daemons, workdir, opts, out)
+
+
+def _daemons(workdir: Path, sockets: Path, hosts: Hosts | None) -> tuple[DaemonProc, DaemonProc]:
+    """The prefill and decode daemons, on this machine's loopback or each on its host."""
+    ports = {PREFILL: free_port(), DECODE: free_port()}
+    made = []
+    for node, peer in ((PREFILL, DECODE), (DECODE, PREFILL)):
+        where: dict[str, Any] = {"peers": [(peer, ports[peer])]}
+        if hosts is not None:
+            where = {
+                "netns": hosts[node].netns,
+                "host": hosts[node].address,
+                "peer_addresses": [(peer, f"{hosts[peer].address}:{ports[peer]}")],
+                "env": dict(UCX_TCP),
+            }
+        made.append(
             DaemonProc(
                 node,
                 workdir,
-                port,
-                [peer],
+                ports[node],
                 extra=VERIFY_ALL,
                 timing=DEMO_TIMING,
                 socket_dir=sockets,
                 detached=True,
-            )
-            for node, port, peer in (
-                (PREFILL, p_port, (DECODE, d_port)),
-                (DECODE, d_port, (PREFILL, p_port)),
+                **where,
             )
         )
-        daemons = (prefill, decode)
-        write_secret(workdir / "secret")
-        for d in daemons:
-            d.write_config()
-        try:
-            push = _run_loop(_live_phase(plan, daemons, opts, out))
-        finally:
-            # Also on errors and signals: no daemon outlives the demo.
-            codes, stop_problems = stop_daemons(daemons)
-        journals = [read_journal(d.node, d.journal) for d in daemons]
-        problems = _collect_problems(plan, push, stop_problems, journals)
-        result = RunResult(plan, push, journals, codes, problems)
-        print_summary(result, workdir, opts.keep, out)
+    return made[0], made[1]
+
+
+def _run_daemons(
+    plan: Plan, daemons: tuple[DaemonProc, DaemonProc], workdir: Path, opts: Options, out: TextIO
+) -> int:
+    """Run the plan through the daemons, stop them, read their journals, judge."""
+    write_secret(workdir / "secret")
+    for d in daemons:
+        d.write_config()
+    try:
+        push = _run_loop(_live_phase(plan, daemons, opts, out))
+    finally:
+        # Also on errors and signals: no daemon outlives the demo.
+        codes, stop_problems = stop_daemons(daemons)
+    journals = [read_journal(d.node, d.journal) for d in daemons]
+    problems = _collect_problems(plan, push, stop_problems, journals)
+    result = RunResult(plan, push, journals, codes, problems)
+    print_summary(result, workdir, opts.keep, out)
     return _verdict(result, out)
 
 
@@ -354,7 +383,7 @@ def _verdict(result: RunResult, out: TextIO) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    opts = Options(args.requests, args.block_size, args.workdir, args.keep, args.seed)
+    opts = Options(args.requests, args.block_size, args.workdir, args.keep, args.seed, args.hosts)
     problem = _check_options(opts)
     if problem is not None:
         print(f"kvpushd demo: {problem}", file=sys.stderr)

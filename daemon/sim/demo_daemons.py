@@ -47,7 +47,7 @@ class DaemonProc(Daemon):
 
     @property
     def peer(self) -> str:
-        return self.peers[0][0]
+        return (self.peers or self.peer_addresses)[0][0]
 
     def check_alive(self) -> None:
         code = self.exited()

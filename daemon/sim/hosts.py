@@ -52,11 +52,9 @@ NETNS_DIR: Final = Path("/var/run/netns")
 CLONE_NEWNET: Final = 0x40000000
 
 # UCX between two hosts: the network, never shared memory (see the module doc).
-UCX_OVER_THE_NETWORK: Final = {
-    "UCX_TLS": "tcp",
-    "UCX_NET_DEVICES": "eth0",
-    "UCX_PROTO_INFO": "y",
-}
+UCX_TCP: Final = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
+# The same, printing which protocol and transport UCX chose for each operation.
+UCX_OVER_THE_NETWORK: Final = {**UCX_TCP, "UCX_PROTO_INFO": "y"}
 
 
 class HostsError(RuntimeError):
