@@ -315,9 +315,11 @@ def test_the_connectors_stats_reach_vllms_metrics(pd: PD) -> None:
     ]
     assert d.metrics().total("vllm:kvpushd_loaded_bytes_total") - nbytes == started.nbytes
     # Host staging copied the load's blocks mirror -> cache once, and each of
-    # the prefill's two pushes (same prompt) cache -> mirror; nothing else.
+    # the prefill's two pushes (same prompt) cache -> mirror. (At least: vLLM
+    # publishes a worker's stats with a later step of its engine, so copies of
+    # this module's earlier pushes may reach /metrics in this window too.)
     assert staged(d, "in") - into == started.nbytes
-    assert staged(p, "out") - out == 2 * started.nbytes
+    assert staged(p, "out") - out >= 2 * started.nbytes
     assert staged(p, "in") == 0 and staged(d, "out") == 0
 
 

@@ -19,6 +19,8 @@ Faults, as a cluster has them:
 
 - :meth:`Hosts.cut` / :meth:`Hosts.mend`: the host's link down and up (its
   veth's root end), a partition of that host from every other;
+- :meth:`Hosts.partition` / :meth:`Hosts.heal`: two hosts stop reaching
+  each other (blackhole routes both ways), every other path stays;
 - :meth:`Hosts.drop_inbound`: packets *to* the host dropped (blackhole
   routes on the other hosts; this kernel has neither ``netem`` nor a ``tc``
   drop action), its own packets still arrive: loss in one direction only;
@@ -160,6 +162,18 @@ class Hosts:
         for host in self._others(name):
             _ip("-n", host.netns, "route", "replace", "blackhole", f"{target.address}/32")
         target.inbound_dropped = True
+
+    def partition(self, a: str, b: str) -> None:
+        """Hosts ``a`` and ``b`` stop reaching each other; each still reaches every other host."""
+        for one, other in ((a, b), (b, a)):
+            address = self.hosts[other].address
+            _ip("-n", self.hosts[one].netns, "route", "replace", "blackhole", f"{address}/32")
+
+    def heal(self, a: str, b: str) -> None:
+        """Undo :meth:`partition`."""
+        for one, other in ((a, b), (b, a)):
+            address = self.hosts[other].address
+            _ip("-n", self.hosts[one].netns, "route", "del", "blackhole", f"{address}/32")
 
     def _others(self, name: str) -> list[Host]:
         return [h for n, h in self.hosts.items() if n != name and h.alive]

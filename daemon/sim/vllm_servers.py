@@ -115,6 +115,13 @@ class VllmServer:
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     healthy_after_s: float | None = None
+    # A host of its own (daemon/sim/hosts.py): the server runs in ``netns``
+    # and listens on ``host`` there; this process reaches it from the
+    # network namespace ``client_netns`` (a router host), each call made
+    # from there (None: this process's own).
+    netns: str | None = None
+    host: str = "127.0.0.1"
+    client_netns: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size % 32:
@@ -122,7 +129,7 @@ class VllmServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def log(self) -> Path:
@@ -136,7 +143,7 @@ class VllmServer:
             "-m",
             "vllm.entrypoints.openai.api_server",
             "--host",
-            "127.0.0.1",
+            self.host,
             "--port",
             str(self.port),
             "--model",
@@ -193,10 +200,13 @@ class VllmServer:
             if core is not None:
                 os.sched_setaffinity(0, {core})
 
+        argv = self.command()
+        if self.netns is not None:
+            argv = ["ip", "netns", "exec", self.netns, *argv]  # execs: the pid is the server's
         with self.log.open("ab") as out:
             self.started_at = time.monotonic()
             self.proc = subprocess.Popen(
-                self.command(),
+                argv,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -218,6 +228,7 @@ class VllmServer:
                 raise VllmServerError(f"{self.name} exited ({code}) before healthy" + self._tail())
             with (
                 contextlib.suppress(OSError),
+                self.client(),
                 urllib.request.urlopen(self.url + "/health", timeout=2) as resp,
             ):
                 if resp.status == 200:
@@ -326,7 +337,9 @@ class VllmServer:
         """:meth:`complete`, streamed: also when the first token came (a TTFT)."""
         body, headers = _completion(prompt, max_tokens, request_id, {**fields, "stream": True})
         started = time.monotonic()
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout_s)
+        with self.client():  # the socket belongs to the namespace it was opened in
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
+            conn.connect()
         try:
             conn.request("POST", "/v1/completions", json.dumps(body), headers)
             resp = conn.getresponse()
@@ -361,8 +374,17 @@ class VllmServer:
         if self.proc is not None:
             os.killpg(self.proc.pid, signal.SIGCONT)
 
+    def client(self) -> contextlib.AbstractContextManager[None]:
+        """Where this process's calls to the server come from (see ``client_netns``)."""
+        if self.client_netns is None:
+            return contextlib.nullcontext()
+        from daemon.sim.hosts import entered
+
+        return entered(self.client_netns)
+
     def metrics(self, timeout_s: float = 10.0) -> Metrics:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=timeout_s) as resp:
+        url = self.url + "/metrics"
+        with self.client(), urllib.request.urlopen(url, timeout=timeout_s) as resp:
             return Metrics.parse(resp.read().decode())
 
     def _post(
@@ -372,7 +394,7 @@ class VllmServer:
             self.url + path, data=json.dumps(body).encode(), headers=headers, method="POST"
         )
         try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            with self.client(), urllib.request.urlopen(req, timeout=timeout_s) as resp:
                 answer: dict[str, Any] = json.loads(resp.read())
                 return answer
         except urllib.error.HTTPError as e:
@@ -433,7 +455,7 @@ def kvpushd_connector_config(
             "kv_connector_extra_config": {
                 "socket": daemon.socket,
                 "node": daemon.node,
-                "address": f"127.0.0.1:{daemon.port}",
+                "address": daemon.address,
                 **(extra_config or {}),
             },
             **more,
@@ -501,6 +523,7 @@ def kvpushd_pd(
     decode_extra_config: dict[str, Any] | None = None,
     decode_server_env: dict[str, str] | None = None,
     prefill_extra_config: dict[str, Any] | None = None,
+    hosts: Any = None,
     **decode_config: Any,
 ) -> Iterator[tuple[VllmServer, VllmServer, Any, Any]]:
     """A prefill/decode pair through kvpushd: two daemons (no ``[[peers]]``), two servers.
@@ -520,7 +543,11 @@ def kvpushd_pd(
     cache, ``decode_extra_config`` adds its connector settings,
     ``decode_server_env`` to the decode vLLM server's environment (the
     connector's ``KVPUSHD_FAILPOINTS``), ``prefill_extra_config`` the
-    prefill's connector settings (``kv_buffer``); the shared-memory
+    prefill's connector settings (``kv_buffer``); ``hosts`` (a
+    :class:`daemon.sim.hosts.Hosts` with hosts ``router``, ``prefill`` and
+    ``decode``) puts each daemon and its server on its own host, UCX over
+    TCP, and makes this process's calls to the servers from the router
+    host; the shared-memory
     segments servers of several ranks leave behind are removed after.
     The decode daemon dials the prefill's on demand. On exit the servers
     stop, then both daemons (one killed by the caller stays killed); a daemon
@@ -529,15 +556,28 @@ def kvpushd_pd(
     from daemon.sim.launcher import Daemon
 
     workdir.mkdir(parents=True, exist_ok=True)
+    where: dict[str, dict[str, Any]] = {"prefill": {}, "decode": {}}
+    served: dict[str, dict[str, Any]] = {"prefill": {}, "decode": {}}
+    if hosts is not None:
+        from daemon.sim.hosts import UCX_TCP
+
+        for name in where:
+            host = hosts[name]
+            where[name] = {"netns": host.netns, "host": host.address}
+            served[name] = {**where[name], "client_netns": hosts["router"].netns}
     prefill = Daemon(
-        "prefill", workdir, free_port(), extra=prefill_daemon_extra, env=prefill_env or {}
-    ).start()
-    decode = Daemon("decode", workdir, free_port(), env=decode_env or {}).start()
+        "prefill", workdir, free_port(), extra=prefill_daemon_extra,
+        env={**(UCX_TCP if hosts else {}), **(prefill_env or {})}, **where["prefill"],
+    ).start()  # fmt: skip
+    decode = Daemon(
+        "decode", workdir, free_port(),
+        env={**(UCX_TCP if hosts else {}), **(decode_env or {})}, **where["decode"],
+    ).start()  # fmt: skip
     cores = sorted(os.sched_getaffinity(0))
     shm_before = vllm_shm_segments()
     p = VllmServer(
         "P", prefill_model or model, workdir, core=cores[0], eager=eager and prefill_pp == 1,
-        tp=prefill_tp, pp=prefill_pp,
+        tp=prefill_tp, pp=prefill_pp, **served["prefill"],
         extra_args=[
             "--kv-transfer-config",
             kvpushd_connector_config("kv_producer", prefill, prefill_extra_config),
@@ -546,7 +586,7 @@ def kvpushd_pd(
     d = VllmServer(
         "D", model, workdir, core=cores[-1], eager=eager and decode_pp == 1,
         tp=decode_tp, pp=decode_pp, kv_cache_bytes=decode_kv_cache_bytes,
-        env=decode_server_env or {},
+        env=decode_server_env or {}, **served["decode"],
         extra_args=[
             "--kv-transfer-config",
             kvpushd_connector_config("kv_consumer", decode, decode_extra_config, **decode_config),
