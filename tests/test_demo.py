@@ -188,7 +188,9 @@ def test_wrong_bytes_fail_the_demo(
 
     monkeypatch.setattr(demo_push, "tail_pairs", front_pairs)  # the pusher's oracle
     workdir = tmp_path / "w"
-    args = argparse.Namespace(requests=20, block_size=4096, workdir=workdir, keep=False, seed=1)
+    args = argparse.Namespace(
+        requests=20, block_size=4096, workdir=workdir, keep=False, seed=1, hosts=False
+    )
     assert demo.main(args) == 1
     out, err = capsys.readouterr()
     partial = make_plan(20, 1).kinds()[Kind.PARTIAL]
