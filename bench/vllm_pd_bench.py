@@ -45,8 +45,10 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bench.results import write_section
+from daemon.sim.launcher import Daemon
 from daemon.sim.tinyllama import write_tinyllama
 from daemon.sim.vllm_router import Routed, percentile, route, route_concurrent, single
 from daemon.sim.vllm_servers import (
@@ -274,38 +276,29 @@ def main(argv: list[str] | None = None) -> int:
     ):
         work = Path(tmp)
         model = write_tinyllama(work / "model")
-        print("starting the kvpushd pair (two daemons, two servers) ...", file=sys.stderr)
-        kp, kd, prefill, decode = stack.enter_context(
-            kvpushd_pd(
-                model,
-                work / "kvpushd",
-                prefill_tp=prefill_tp,
-                decode_tp=decode_tp,
-                prefill_pp=args.prefill_pp,
-                decode_pp=args.decode_pp,
-            )
-        )
-        kp.pause(), kd.pause()
-        pairs = {"kvpushd": (kp, kd)}
-        daemons = {"kvpushd": (prefill, decode)}
+        pairs: dict[str, tuple[VllmServer, VllmServer]] = {}
+        daemons: dict[str, tuple[Daemon, Daemon]] = {}
+        kinds: list[tuple[str, dict[str, Any] | None]] = [("kvpushd", None)]
         if args.host_staging:
-            print("starting the host-staging kvpushd pair ...", file=sys.stderr)
-            staged = {"kv_buffer": "host"}
+            kinds.append((STAGED, {"kv_buffer": "host"}))
+        for name, buffer in kinds:
+            print(f"starting the {name} pair (two daemons, two servers) ...", file=sys.stderr)
             sp, sd, s_prefill, s_decode = stack.enter_context(
                 kvpushd_pd(
                     model,
-                    work / "staged",
+                    work / ("staged" if buffer else "kvpushd"),
                     prefill_tp=prefill_tp,
                     decode_tp=decode_tp,
                     prefill_pp=args.prefill_pp,
                     decode_pp=args.decode_pp,
-                    prefill_extra_config=staged,
-                    decode_extra_config=staged,
+                    prefill_extra_config=buffer,
+                    decode_extra_config=buffer,
                 )
             )
             sp.pause(), sd.pause()
-            pairs[STAGED] = (sp, sd)
-            daemons[STAGED] = (s_prefill, s_decode)
+            pairs[name] = (sp, sd)
+            daemons[name] = (s_prefill, s_decode)
+        prefill = daemons["kvpushd"][0]
         for name, connector, wanted in ((PUSH, NIXL_PUSH, anchored), (PULL, NIXL_PULL, pulled)):
             if not wanted:
                 continue
