@@ -209,59 +209,89 @@ async def serve(config: Config, notifier: Notifier | None = None) -> int:
     async with contextlib.AsyncExitStack() as undo:
         peers, server, metrics = await _startup(config, node, undo)
         undo.pop_all()
-    await node.begin()
-    await node.load_metadata()
-    if peers is not None:
-        node.attach_peers(peers)
-        await peers.start()
-    await server.start()
+    background: list[asyncio.Future[None]] = []
+    async with contextlib.AsyncExitStack() as shutdown:
+        _shutdown_steps(shutdown, peers, node, server, metrics, background, notifier)
+        await node.begin()
+        await node.load_metadata()
+        if peers is not None:
+            node.attach_peers(peers)
+            await peers.start()
+        await server.start()
 
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    background = [asyncio.ensure_future(_status_updates(notifier, node))]
-    if notifier.watchdog_interval_s:
-        background.append(asyncio.ensure_future(_watchdog(notifier, notifier.watchdog_interval_s)))
-    log.info(
-        "ready",
-        node=config.node,
-        socket=config.socket,
-        listen=getattr(peers, "listen_port", None),
-        journal=config.journal.dir,
-    )
-    notifier.ready(_status_line(node))
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        background.append(asyncio.ensure_future(_status_updates(notifier, node)))
+        if notifier.watchdog_interval_s:
+            watchdog = _watchdog(notifier, notifier.watchdog_interval_s)
+            background.append(asyncio.ensure_future(watchdog))
+        log.info(
+            "ready",
+            node=config.node,
+            socket=config.socket,
+            listen=getattr(peers, "listen_port", None),
+            journal=config.journal.dir,
+        )
+        notifier.ready(_status_line(node))
 
-    await stop.wait()
+        await stop.wait()
 
-    if node.fatal is not None:
-        # Never continue and never retry after a failed fsync: exit and let
-        # the next start replay to the last durable record.
-        log.critical("exiting after a journal failure", error=str(node.fatal))
-        notifier.stopping("journal failure")
-        # Stop the NIXL worker first: left running, its agent was destroyed
-        # during interpreter teardown, maybe mid-call on the worker thread,
-        # and the process aborted (SIGABRT) instead of exiting 3. Bounded: a
-        # wedged worker must not keep the daemon from exiting.
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(node.dataplane.close(), FATAL_CLOSE_S)
-        return EXIT_JOURNAL_FATAL
-    notifier.stopping("draining")
-    log.info("draining", live=len(node.registry.live), writes=len(node.writes))
-    server.stop_accepting()
-    await node.drain()
-    if peers is not None:
-        await peers.close()
-    await node.close()
-    await server.close()
-    if metrics is not None:
-        await metrics.close()
-    for task in background:
-        task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await asyncio.gather(*background, return_exceptions=True)
-    notifier.close()
+        if node.fatal is not None:
+            # Never continue and never retry after a failed fsync: exit and let
+            # the next start replay to the last durable record. None of the
+            # shutdown steps runs (they would commit and talk to peers).
+            shutdown.pop_all()
+            log.critical("exiting after a journal failure", error=str(node.fatal))
+            notifier.stopping("journal failure")
+            # Stop the NIXL worker first: left running, its agent was destroyed
+            # during interpreter teardown, maybe mid-call on the worker thread,
+            # and the process aborted (SIGABRT) instead of exiting 3. Bounded: a
+            # wedged worker must not keep the daemon from exiting.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(node.dataplane.close(), FATAL_CLOSE_S)
+            return EXIT_JOURNAL_FATAL
+        notifier.stopping("draining")
+        log.info("draining", live=len(node.registry.live), writes=len(node.writes))
+        server.stop_accepting()
+        await node.drain()
     log.info("stopped")
     return EXIT_OK
+
+
+def _shutdown_steps(
+    stack: contextlib.AsyncExitStack,
+    peers: PeerManager | None,
+    node: Node,
+    server: EngineServer,
+    metrics: NodeMetrics | None,
+    background: list[asyncio.Future[None]],
+    notifier: Notifier,
+) -> None:
+    """Shutdown as steps on ``stack``, run in reverse of this list whatever raises.
+
+    They run in this order: the peer links close (no peer message reaches
+    the node any more), the node makes the journal durable and frees the
+    memory, the engine socket closes, then the metrics endpoint, the
+    background tasks and the notifier. Whatever step raises (a drain that
+    fails, a link that does not close), the ones after it still run, as
+    start-up's undoing does.
+    """
+    stack.callback(notifier.close)
+    stack.push_async_callback(_cancelled, background)
+    if metrics is not None:
+        stack.push_async_callback(metrics.close)
+    stack.push_async_callback(server.close)
+    stack.push_async_callback(node.close)
+    if peers is not None:
+        stack.push_async_callback(peers.close)
+
+
+async def _cancelled(tasks: list[asyncio.Future[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def run(config: Config) -> int:

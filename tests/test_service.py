@@ -188,3 +188,51 @@ def test_defaults_without_config_and_systemd_notify(tmp_path: Path):
             proc.kill()
             proc.wait()
         sd.close()
+
+
+async def test_a_drain_that_raises_still_closes_the_links_the_socket_and_the_metrics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shutdown's steps run in reverse whatever raises (daemon/service.py ``_shutdown_steps``).
+
+    In this process, not a subprocess: the only way to make the drain raise
+    is to replace it. Afterwards the engine socket is gone and the peer and
+    metrics ports can be bound again.
+    """
+    import asyncio
+
+    from daemon.node.runtime import Node
+    from daemon.service import serve
+    from daemon.sim.launcher import STATUS_ERRORS, free_port, write_secret
+
+    listen, metrics = free_port(), free_port()
+    write_secret(tmp_path / "secret")
+    sock = tmp_path / "d.sock"
+    (tmp_path / "d.toml").write_text(
+        f'node = "d"\nsocket = "{sock}"\nlisten = "127.0.0.1:{listen}"\n'
+        f'secret_file = "{tmp_path / "secret"}"\nmetrics_port = {metrics}\n'
+        f'[journal]\ndir = "{tmp_path / "journal"}"\n'
+    )
+    config = load_config(tmp_path / "d.toml")
+
+    async def broken_drain(self: Node) -> None:
+        raise RuntimeError("the drain broke")
+
+    monkeypatch.setattr(Node, "drain", broken_drain)
+    running = asyncio.ensure_future(serve(config))
+    deadline = time.monotonic() + 30
+    while True:
+        assert not running.done(), running.exception()
+        try:
+            await asyncio.to_thread(fetch_status, str(sock), 2.0)
+            break
+        except STATUS_ERRORS:
+            assert time.monotonic() < deadline, "the daemon did not come up"
+            await asyncio.sleep(0.05)
+    signal.raise_signal(signal.SIGTERM)
+    with pytest.raises(RuntimeError, match="the drain broke"):
+        await asyncio.wait_for(running, 30)
+    assert not sock.exists()
+    for port in (listen, metrics):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", port))  # released: the step after the failure ran
