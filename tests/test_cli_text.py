@@ -55,7 +55,7 @@ def test_every_option_and_argument_has_help():
 
 
 def test_version_is_the_daemons():
-    from daemon.node.runtime import VERSION  # what DaemonStarted and status say
+    from daemon.version import VERSION  # what DaemonStarted and status say
 
     proc = _kvpushd("--version")
     assert proc.returncode == 0

@@ -24,9 +24,9 @@ import structlog
 from daemon import failpoints
 from daemon.dataplane.memory import RegionError
 from daemon.framing import EmptyFrame, FrameReader, FrameTooLarge, FrameWriter
-from daemon.node.runtime import VERSION
 from daemon.node.serializer import KeyedSerializer
 from daemon.node.socketclaim import SocketClaim
+from daemon.version import VERSION
 from schemas import rpc
 from schemas.config import Config
 from schemas.status import StatusDocument

@@ -37,7 +37,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from daemon.node.runtime import VERSION, Node
+from daemon.node.runtime import Node
+from daemon.version import VERSION
 from schemas.events import (
     DaemonStarted,
     Event,

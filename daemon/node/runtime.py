@@ -40,6 +40,7 @@ from daemon.node.peers import Peers
 from daemon.node.status import status_document
 from daemon.node.transfers import Transfers
 from daemon.node.windows import Windows
+from daemon.version import VERSION
 from schemas import peer as pm
 from schemas import rpc
 from schemas.config import Config
@@ -51,7 +52,6 @@ from schemas.status import StatusDocument
 from statemachine import Refusal, Registry
 from statemachine.reactions import Cause, Stimulus, Why, react, react_pending
 
-VERSION = "0.1.0"
 PUSHER, RECEIVER = Role.PUSHER, Role.RECEIVER
 WRITING = State.WRITING
 
