@@ -6,6 +6,7 @@ engine or an operator matches on) and a human message (what they read).
 
 from __future__ import annotations
 
+from schemas.events import Refused
 from schemas.reasons import Reason
 
 
@@ -16,6 +17,10 @@ class Refusal(Exception):
         super().__init__(f"{reason.value}: {message}")
         self.reason = reason
         self.message = message
+
+    def journaled(self, request_id: str, incarnation: int, engine_id: str) -> Refused:
+        """The record that journals this refusal of a message about ``request_id``."""
+        return Refused(request_id, incarnation, engine_id, self.reason, self.message)
 
 
 class TrimRefused(Refusal):

@@ -29,7 +29,6 @@ from daemon.dataplane.plane import DataPlaneError
 from daemon.node.peerauth import PeerRejected, PeerUnreachable
 from daemon.node.serializer import KeyedSerializer
 from schemas import peer as pm
-from schemas.events import Refused
 from schemas.kvlayout import RemoteEngine, model_signature
 from schemas.layout import Role
 from schemas.reasons import Reason
@@ -274,9 +273,7 @@ class Peers:
             )
         except Refusal as refusal:
             own.counters["refusals"] += 1
-            refused = Refused(
-                msg.request_id, msg.incarnation, msg.engine_id, refusal.reason, refusal.message
-            )
+            refused = refusal.journaled(msg.request_id, msg.incarnation, msg.engine_id)
             await own.ledger.commit([refused], Cause.PEER, peer=node)
             return
         await own.ledger.commit([event], Cause.PEER)

@@ -44,7 +44,7 @@ from daemon.version import VERSION
 from schemas import peer as pm
 from schemas import rpc
 from schemas.config import Config
-from schemas.events import DaemonStarted, Event, Refused, Registered, Released, RequestEvent
+from schemas.events import DaemonStarted, Event, Registered, Released, RequestEvent
 from schemas.layout import Role
 from schemas.reasons import Reason
 from schemas.state import PendingPeer, RequestRecord, State
@@ -456,12 +456,10 @@ class Node:
         if self.fatal is not None or self._ledger is None:
             return False
         self.counters["refusals"] += 1
-        event = Refused(
+        event = refusal.journaled(
             getattr(request, "request_id", ""),
             getattr(request, "incarnation", 0),
             getattr(request, "engine_id", ""),
-            refusal.reason,
-            refusal.message,
         )
         try:
             await self.ledger.commit([event], Cause.ENGINE)

@@ -18,7 +18,7 @@ import structlog
 
 from daemon.dataplane.geometry import blocks_nbytes
 from daemon.dataplane.plane import DataPlaneError, WriteResult
-from schemas.events import Event, Refused, WriteStarted
+from schemas.events import Event, WriteStarted
 from schemas.layout import Role
 from schemas.reasons import Reason
 from schemas.state import RequestRecord, State
@@ -100,13 +100,7 @@ class Transfers:
                 trimmed = node.registry.plan_trim(record.request_id, record.incarnation)
             except TrimRefused as refusal:
                 node.counters["refusals"] += 1
-                refused = Refused(
-                    record.request_id,
-                    record.incarnation,
-                    record.engine_id,
-                    refusal.reason,
-                    refusal.message,
-                )
+                refused = refusal.journaled(record.request_id, record.incarnation, record.engine_id)
                 # One commit, no await in between: another advance() of the same
                 # request must find it failed, not trim (and refuse) it again.
                 failed = react(record, Stimulus.FAILURE, Why(refusal.reason, refusal.message))
