@@ -16,7 +16,7 @@ import pytest
 
 from daemon.dataplane.memory import RegionError
 from daemon.dataplane.vram import decode_handle, open_vram_region, share_cuda_tensor
-from daemon.sim.cudaipc import MIB, fake_spec
+from harness.cudaipc import MIB, fake_spec
 from schemas.kvlayout import MemoryKind, RegionSpec
 
 torch = pytest.importorskip("torch")

@@ -1,6 +1,6 @@
 """Where a lifecycle's CPU goes: both daemons under cProfile for N one-block lifecycles.
 
-Two daemons run under daemon/sim/profiled.py (``Daemon.profile_to``): cProfile
+Two daemons run under harness/profiled.py (``Daemon.profile_to``): cProfile
 around ``kvpushd run``, collecting only between the bench's signals, so the
 start-up (imports, NIXL, replay), a warm-up and the drain stay out. The
 lifecycles are bench/daemon_bench.py's: register both sides, kv_ready,
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         f"- date: {started}; machine: {machine()}\n"
         f"- `{command}`: {args.requests:,} one-block lifecycles, {args.in_flight} in flight, "
         f"batch fsync, after {WARM_UP} untimed ones; {rate:,.0f} req/s with the profilers on\n"
-        f"- cProfile on each daemon's loop thread only (daemon/sim/profiled.py), by "
+        f"- cProfile on each daemon's loop thread only (harness/profiled.py), by "
         f"{'the wall clock' if args.wall else 'its CPU clock (time.thread_time)'}, collecting "
         f"from just before the first request to just after the last; times per request, "
         f"inflated by cProfile's own overhead: read them for where the time goes, not how much"

@@ -1,6 +1,6 @@
 """Crash rounds and failpoints: SIGKILL a daemon under load, restart it, check nothing broke.
 
-The kill rounds (:mod:`daemon.sim.crashrounds`, shared with ``tools/soak.py``)
+The kill rounds (:mod:`harness.crashrounds`, shared with ``tools/soak.py``)
 kill the prefill or the decode daemon under load, at a failpoint or at a
 random moment, restart it and check: nothing acknowledged is lost, the
 journals replay and every request's events are in a legal order, no byte
@@ -30,7 +30,7 @@ import pytest
 
 from daemon import failpoints
 from daemon.journal.reader import read_journal
-from daemon.sim.crashrounds import CRASH_POINTS, run_rounds
+from harness.crashrounds import CRASH_POINTS, run_rounds
 
 REPO: Final = Path(__file__).resolve().parents[1]
 

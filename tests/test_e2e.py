@@ -445,7 +445,7 @@ async def test_a_release_made_while_the_engine_was_away_is_told_when_it_is_back(
     # meanwhile; nothing about it is live any more, so only a remembered
     # announcement can tell the engine, when it registers again, that its
     # blocks are free.
-    from daemon.sim.crashrounds import CrashEngine
+    from harness.crashrounds import CrashEngine
 
     fast = "deadlines = { registered = 0.5, failed = 0.5 }"
     prefill, decode = daemon_pair(tmp_path, extra=fast)

@@ -1,7 +1,7 @@
 """Injected faults: a failing disk, a peer killed mid-write, a peer frozen past its TTL.
 
 Each test runs two real daemons with simulated engines (the crash rounds'
-harness, daemon/sim/crashrounds.py) and ends with the same checks as a crash
+harness, harness/crashrounds.py) and ends with the same checks as a crash
 round: every acknowledgement an engine received is in its daemon's journal,
 the journals replay, every request was released, and no engine byte changed
 where none may.
@@ -35,7 +35,9 @@ import pytest
 
 from daemon.client import RpcError
 from daemon.journal.replay import replay
-from daemon.sim.crashrounds import (
+from daemon.sim.engine import Expectation, tail_pairs
+from daemon.sim.launcher import TEST_TIMING, Daemon
+from harness.crashrounds import (
     DECODE,
     LAYOUT,
     PREFILL,
@@ -43,8 +45,6 @@ from daemon.sim.crashrounds import (
     CrashPair,
     log_trouble,
 )
-from daemon.sim.engine import Expectation, tail_pairs
-from daemon.sim.launcher import TEST_TIMING, Daemon
 from schemas import rpc
 from schemas.events import KvReady, Record, Refused
 from schemas.reasons import Reason

@@ -1,7 +1,7 @@
 """Hostile and broken input: the engine RPC, the peer link and the journal decoder.
 
 The surfaces, their generators and the oracle live in
-:mod:`daemon.sim.fuzzing` (shared with ``tools/fuzz_soak.py``, which runs
+:mod:`harness.fuzzing` (shared with ``tools/fuzz_soak.py``, which runs
 them at a larger scale): every input gets an error reply or a closed
 connection, never an ``internal`` error or an undecodable frame; the daemons
 stay up; invalid input leaves the registry as it was (status and a replay of
@@ -32,7 +32,7 @@ import pytest
 from daemon.dataplane.memory import create_shm_file
 from daemon.framing import frame_bytes
 from daemon.node.peerauth import NONCE_BYTES, auth_mac
-from daemon.sim.fuzzing import (
+from harness.fuzzing import (
     FuzzFailure,
     FuzzTarget,
     JournalSandbox,

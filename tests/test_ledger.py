@@ -16,7 +16,7 @@ from daemon.journal.replay import replay
 from daemon.journal.writer import Journal
 from daemon.node.ledger import Ledger
 from daemon.node.runtime import Node
-from daemon.sim.lifecycle import PREFILL, FakeClock
+from harness.lifecycle import PREFILL, FakeClock
 from schemas.config import Config
 from schemas.events import DaemonStarted, Failed, KvReady, WriteDone
 from schemas.layout import EngineLayout, GroupKind, GroupLayout, Role

@@ -1,6 +1,6 @@
 """Load: 16 simulated engines, 1,000 live requests, and no leaks across thousands more.
 
-Two real daemons (prefill and decode) and a fleet (daemon/sim/loadfleet.py) of
+Two real daemons (prefill and decode) and a fleet (harness/loadfleet.py) of
 8 prefill and 8 decode SimEngines, every transfer real NIXL over shared memory
 and verified byte for byte by the receiving engine.
 
@@ -30,7 +30,7 @@ from typing import Final
 import pytest
 
 from daemon.sim.launcher import Daemon, mapped_files, start_pair
-from daemon.sim.loadfleet import EnginePair, Fleet, Sample, wait_idle, wait_unmapped
+from harness.loadfleet import EnginePair, Fleet, Sample, wait_idle, wait_unmapped
 from tests.support.fixtures import stop_cleanly
 
 TOMBSTONES: Final = 2000

@@ -21,7 +21,7 @@ import pytest
 from daemon.journal.writer import FsyncPolicy, Journal
 from daemon.node.ledger import Ledger
 from daemon.sim.launcher import Daemon
-from daemon.sim.lifecycle import FakeClock, run_mix
+from harness.lifecycle import FakeClock, run_mix
 from statemachine import Registry
 from tests.support import REPO
 

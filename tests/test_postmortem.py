@@ -592,7 +592,7 @@ def test_robust_midpoint_sets_aside_a_clock_step():
 def test_journal_with_a_snapshot(tmp_path):
     """Old segments pruned behind a snapshot: requests live at the snapshot carry on."""
     from daemon.node.ledger import Ledger
-    from daemon.sim.lifecycle import PREFILL, FakeClock, run_mix
+    from harness.lifecycle import PREFILL, FakeClock, run_mix
     from schemas.events import KvReady, WriteDone, WriteStarted
     from schemas.layout import Role
     from statemachine import Registry

@@ -14,7 +14,7 @@ import pytest
 from daemon.journal.replay import ReplayError, replay
 from daemon.journal.writer import FsyncPolicy, Journal
 from daemon.node.ledger import Ledger
-from daemon.sim.lifecycle import FakeClock, push_one, run_mix
+from harness.lifecycle import FakeClock, push_one, run_mix
 from schemas.events import FORMAT_VERSION, Record, Released, encode_record
 from statemachine import Registry
 

@@ -43,7 +43,6 @@ from daemon.framing import FrameEncoder, frame_bytes
 from daemon.journal.replay import replay
 from daemon.node.peerauth import NONCE_BYTES, auth_mac
 from daemon.node.peerlink import MAX_PENDING_HANDSHAKES
-from daemon.sim.fuzzing import PeerConn, RpcConn, both_views
 from daemon.sim.launcher import (
     TEST_SECRET,
     Daemon,
@@ -54,6 +53,7 @@ from daemon.sim.launcher import (
     start_daemons,
     start_pair,
 )
+from harness.fuzzing import PeerConn, RpcConn, both_views
 from schemas import peer as pm
 from schemas import rpc
 from schemas.events import Refused, Registered, WriteStarted

@@ -56,8 +56,8 @@ from daemon.dataplane.vram import (
     share_cuda_tensor,
 )
 from daemon.dataplane.worker import Worker
-from daemon.sim.cudaipc import MIB, fake_handle, fake_spec
 from daemon.sim.launcher import Daemon
+from harness.cudaipc import MIB, fake_handle, fake_spec
 from schemas.kvlayout import EngineSpec, GroupSpec, LayerSpec, MemoryKind, RegionSpec
 from schemas.layout import GroupKind
 

@@ -1,4 +1,4 @@
-"""Fuzz soak: the surfaces of daemon/sim/fuzzing.py at scale, with per-surface counts.
+"""Fuzz soak: the surfaces of harness/fuzzing.py at scale, with per-surface counts.
 
 Runs every surface (engine RPC, peer link, journal decoder) against two real
 daemons for ``--cases`` inputs in total (default 100,000), in chunks; between
@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 if TYPE_CHECKING:
-    from daemon.sim import fuzzing as tf
+    from harness import fuzzing as tf
 else:
     # Imported by main(), not here: the atheris child must import the daemon's
     # modules itself, inside atheris.instrument_imports(), to get coverage.
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         atheris_child(argv[1:])
         return 0
     global tf
-    from daemon.sim import fuzzing as tf
+    from harness import fuzzing as tf
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=100_000, help="inputs in total")

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from daemon.sim.launcher import Daemon, start_pair  # noqa: E402 - after sys.path
-from daemon.sim.loadfleet import Fleet, Sample, wait_idle, wait_unmapped  # noqa: E402
+from harness.loadfleet import Fleet, Sample, wait_idle, wait_unmapped  # noqa: E402
 
 MIB = 1024
 

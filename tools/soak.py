@@ -1,6 +1,6 @@
 """Crash soak: hundreds of kill rounds, then one table.
 
-Runs the kill rounds of daemon/sim/crashrounds.py (a prefill or decode daemon
+Runs the kill rounds of harness/crashrounds.py (a prefill or decode daemon
 SIGKILLed under load, at a failpoint or at a random moment, restarted, and
 checked) for as many rounds as asked::
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from daemon.sim.crashrounds import Summary, run_rounds
+from harness.crashrounds import Summary, run_rounds
 
 
 @dataclass

@@ -137,7 +137,7 @@ class Daemon:
     # starts daemons from its main thread: the kernel sends that SIGTERM when
     # the starting *thread* ends.
     detached: bool = False
-    # Run the daemon under cProfile (daemon/sim/profiled.py), collecting
+    # Run the daemon under cProfile (harness/profiled.py), collecting
     # between profile(True) and profile(False), written here when it exits
     # (SIGTERM: ``stop``; a killed daemon writes none). For benches only
     # (bench/profile_lifecycle.py): it profiles the loop thread alone.
@@ -216,7 +216,7 @@ class Daemon:
             entry = ["daemon.cli"]
             if self.profile_to is not None:
                 clock = ["--wall"] if self.profile_wall else []
-                entry = ["daemon.sim.profiled", *clock, str(self.profile_to)]
+                entry = ["harness.profiled", *clock, str(self.profile_to)]
             argv = [sys.executable, "-m", *entry, "run", "--config", str(config)]
             if self.netns is not None:
                 # `ip netns exec` execs the daemon: the pid is the daemon's.

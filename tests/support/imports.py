@@ -19,7 +19,7 @@ from typing import Final
 DYNAMIC: Final = "<dynamic import>"
 # The repository's own top-level names; every other root is the standard
 # library or a third-party distribution.
-FIRST_PARTY: Final = ("daemon", "schemas", "statemachine", "tests", "bench", "tools")
+FIRST_PARTY: Final = ("daemon", "schemas", "statemachine", "harness", "tests", "bench", "tools")
 
 
 def is_under(name: str, roots: Iterable[str]) -> bool:

@@ -1,6 +1,6 @@
 """``kvpushd run`` under cProfile, collecting only while a bench asks for it.
 
-    python -m daemon.sim.profiled [--wall] OUT run --config CONFIG
+    python -m harness.profiled [--wall] OUT run --config CONFIG
 
 The command line after OUT is ``kvpushd``'s. Profiling starts off: SIGUSR1
 turns it on, SIGUSR2 off again, so a bench profiles the requests it sends

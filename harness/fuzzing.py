@@ -68,7 +68,7 @@ from daemon.node.ledger import Ledger
 from daemon.node.peerauth import NONCE_BYTES, PREAUTH_FRAME_BYTES
 from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
 from daemon.sim.launcher import Daemon, start_pair
-from daemon.sim.lifecycle import PREFILL, FakeClock, run_mix
+from harness.lifecycle import PREFILL, FakeClock, run_mix
 from schemas import peer as pm
 from schemas import rpc
 from schemas.events import FORMAT_VERSION, Event, Record, encode_record
