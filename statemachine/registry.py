@@ -597,7 +597,11 @@ class Registry:
         return react(record, Stimulus.ENGINE_RELEASE)
 
     def follow_up(self, record: RequestRecord) -> list[RequestEvent]:
-        """A deferred release becomes due once the quarantine lifts."""
+        """What ``record``'s new state calls for at once: a deferred release, now due.
+
+        The ledger (daemon/node/ledger.py) asks after every event it applies
+        and appends the answer to the same commit, so no caller can forget it.
+        """
         return react(record, Stimulus.QUARANTINE_LIFTED)
 
     def on_deadline(self, due: RequestRecord | PendingPeer) -> RequestEvent:

@@ -18,11 +18,11 @@ from daemon.node.ledger import Ledger
 from daemon.node.runtime import Node
 from harness.lifecycle import PREFILL, FakeClock
 from schemas.config import Config
-from schemas.events import DaemonStarted, Failed, KvReady, WriteDone
+from schemas.events import DaemonStarted, Failed, KvReady, Released, WriteDone
 from schemas.layout import EngineLayout, GroupKind, GroupLayout, Role
 from schemas.reasons import Reason
 from statemachine import Registry
-from statemachine.reactions import Cause
+from statemachine.reactions import Cause, Stimulus, Why, react
 
 
 def test_a_record_too_large_for_the_journal_changes_nothing(tmp_path: Path) -> None:
@@ -137,3 +137,37 @@ async def test_the_configured_commit_window_puts_more_records_in_each_fsync(
     unwindowed = await _fsyncs_for_spread_commits(tmp_path / "0", 0.0)
     windowed = await _fsyncs_for_spread_commits(tmp_path / "30", 30.0)
     assert 0 < windowed < unwindowed
+
+
+async def test_a_commit_that_lifts_a_quarantine_carries_the_deferred_release_itself(
+    tmp_path: Path,
+) -> None:
+    # The decode engine released while the write was under way: deferred.
+    # Whatever commit then lifts the quarantine (here the pusher's final
+    # word, committed plainly) carries the release in the same commit: the
+    # core says what follows and the ledger appends it; no caller has to ask.
+    with Journal.open(tmp_path / "j") as journal:
+        group = GroupCommit(journal, on_fatal=lambda exc: None)
+        courier = _Courier(journal)
+        ledger = Ledger(journal, Registry(), node="decode", group=group, courier=courier)
+        try:
+            ledger.append(ledger.registry.check_attach(DECODE))
+            registry = ledger.registry
+            await ledger.commit(
+                [registry.check_register("r1", 1, Role.RECEIVER, "decode-0", "p", [[3]])]
+            )
+            record = registry.lookup("r1", 1)
+            await ledger.commit(react(record, Stimulus.PEER_WRITING, Why(num_blocks=1, nbytes=64)))
+            deferred = react(registry.lookup("r1", 1), Stimulus.ENGINE_RELEASE)
+            assert [type(e).__name__ for e in deferred][-1] == "ReleaseDeferred", deferred
+            await ledger.commit(deferred, Cause.ENGINE)
+            final_word = react(registry.lookup("r1", 1), Stimulus.PEER_WRITE_DONE)
+            assert not any(isinstance(e, Released) for e in final_word)  # the core's answer alone
+            commit = ledger.commit(final_word, Cause.PEER)
+            await commit
+            kinds = [type(event).__name__ for event, _ in commit.records]
+            assert kinds[-1] == "Released", kinds
+            assert registry.get("r1") is None
+            assert ("decode-0", "Released") in [(to, type(m).__name__) for to, m, _ in courier.told]
+        finally:
+            group.close()

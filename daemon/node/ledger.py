@@ -34,7 +34,7 @@ from schemas.events import FORMAT_VERSION, Event, Failed, Record, Refused, encod
 from schemas.state import RequestRecord
 from statemachine import Registry
 from statemachine.notices import TOLD_OF, Notice, notices
-from statemachine.reactions import Cause
+from statemachine.reactions import Cause, release_may_be_due
 
 log = structlog.get_logger("kvpushd.node")
 # Events logged at info or above whatever the level (the rest only at debug).
@@ -150,7 +150,12 @@ class Ledger:
         owed: list[Notice] = []
         records: list[tuple[Event, Any]] = []
         seq = 0
-        for event in events:
+        # What each applied event makes due at once (a deferred release whose
+        # quarantine it lifted) joins this commit, right after it.
+        queue = [(event, cause) for event in events]
+        queue.reverse()
+        while queue:
+            event, cause = queue.pop()
             kind = type(event)
             told = kind in TOLD_OF
             # A pending registration has no record to name its peer; the
@@ -164,6 +169,9 @@ class Ledger:
             record, touched = self._append_logged(event)
             seq = record.seq
             records.append((event, touched))
+            if type(touched) is RequestRecord and release_may_be_due(touched):
+                follows = self.registry.follow_up(touched)
+                queue.extend((due, Cause.DAEMON) for due in reversed(follows))
             if told:
                 owed.extend(
                     notices(

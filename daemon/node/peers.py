@@ -294,7 +294,6 @@ class Peers:
         events = react(record, Stimulus.PEER_CANCEL)
         if events:
             await own.ledger.commit(events, Cause.PEER)
-            await own.transfers.follow_up(msg.request_id)
         else:
             for message in final_word(record):
                 self.tell_peer(node, message)

@@ -286,14 +286,13 @@ class Node:
         *,
         failpoint: str | None = None,
     ) -> list[RequestEvent]:
-        """Commit what the core says ``stimulus`` calls for, then any release it makes due.
+        """Commit what the core says ``stimulus`` calls for (and the ledger, what follows).
 
-        Returns the events committed (none: the stimulus called for nothing).
+        Returns the events the stimulus called for (none: nothing to journal).
         """
         events = react(record, stimulus, why)
         if events:
             await self.ledger.commit(events, stimulus.cause, failpoint=failpoint)
-            await self.transfers.follow_up(record.request_id)
         return events
 
     def current(self, request_id: str, incarnation: int) -> RequestRecord | None:

@@ -24,14 +24,12 @@ from schemas.reasons import Reason
 from schemas.state import RequestRecord, State
 from statemachine import TrimRefused
 from statemachine.reactions import (
-    Cause,
     Next,
     Stimulus,
     Why,
     awaiting_data,
     pusher_next,
     react,
-    release_may_be_due,
 )
 
 if TYPE_CHECKING:
@@ -78,15 +76,6 @@ class Transfers:
         if had != bool(self.awaiting):
             self.node.dataplane.expect_notifications(bool(self.awaiting))
 
-    async def follow_up(self, request_id: str) -> None:
-        """Carry out a deferred release once the quarantine lifts."""
-        record = self.node.registry.get(request_id)
-        if record is None or not release_may_be_due(record):
-            return
-        events = react(record, Stimulus.QUARANTINE_LIFTED)
-        if events:
-            await self.node.ledger.commit(events, Cause.DAEMON)
-
     # --------------------------------------------------------------- pusher
 
     async def advance(self, request_id: str) -> None:
@@ -105,7 +94,6 @@ class Transfers:
                 # request must find it failed, not trim (and refuse) it again.
                 failed = react(record, Stimulus.FAILURE, Why(refusal.reason, refusal.message))
                 await node.ledger.commit([refused, *failed], Stimulus.FAILURE.cause)
-                await self.follow_up(request_id)
                 return
             committed = node.ledger.commit([trimmed])
             record = node.registry.get(request_id)
