@@ -25,7 +25,9 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -37,7 +39,14 @@ import pytest
 from daemon.client import RpcError
 from daemon.journal.replay import replay
 from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
-from daemon.sim.hosts import PREFIX, UCX_OVER_THE_NETWORK, Hosts, remote_writes, sweep_stale
+from daemon.sim.hosts import (
+    PREFIX,
+    UCX_OVER_THE_NETWORK,
+    Hosts,
+    entered,
+    remote_writes,
+    sweep_stale,
+)
 from daemon.sim.launcher import TEST_TIMING, Daemon, start_pair
 from schemas import rpc
 from schemas.events import Failed, WriteDone
@@ -174,6 +183,56 @@ def test_the_harness_removes_all_it_made_even_when_the_test_fails() -> None:
     after, links = _ours()
     assert after == before and not set(made) & set(after)
     assert f"{PREFIX}{os.getpid()}" not in links
+
+
+def _reaches(hosts: Hosts, src: str, dst: str, port: int = 7999) -> bool:
+    """Whether a TCP connection from host ``src`` to a listener on host ``dst`` comes up."""
+    listener = subprocess.Popen(
+        hosts[dst].command(
+            [sys.executable, "-c", _LISTEN.format(port=port)],
+        ),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert listener.stdout is not None and listener.stdout.readline().strip() == "listening"
+        with entered(hosts[src].netns), socket.socket() as client:
+            client.settimeout(1.0)
+            try:
+                client.connect((hosts[dst].address, port))
+            except OSError:
+                return False
+            return True
+    finally:
+        listener.kill()
+        listener.wait()
+
+
+_LISTEN = (
+    "import socket; s = socket.socket(); "
+    "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+    "s.bind(('0.0.0.0', {port})); s.listen(); print('listening', flush=True); "
+    "s.settimeout(5); s.accept()"
+)
+
+
+def test_faults_cut_exactly_the_paths_they_name() -> None:
+    with Hosts(["a", "b", "c"]) as hosts:
+        assert _reaches(hosts, "a", "b") and _reaches(hosts, "b", "a")
+        hosts.partition("a", "b")  # a and b lose each other, nothing else
+        assert not _reaches(hosts, "a", "b") and not _reaches(hosts, "b", "a")
+        assert _reaches(hosts, "a", "c") and _reaches(hosts, "c", "b")
+        hosts.heal("a", "b")
+        assert _reaches(hosts, "a", "b")
+        hosts.drop_inbound("b")  # nothing reaches b; b still sends (no answer comes back)
+        assert not _reaches(hosts, "a", "b") and not _reaches(hosts, "c", "b")
+        assert _reaches(hosts, "a", "c")
+        hosts.mend("b")
+        assert _reaches(hosts, "c", "b")
+        hosts.cut("c")  # c alone is off the bridge
+        assert not _reaches(hosts, "a", "c") and _reaches(hosts, "a", "b")
+        hosts.mend("c")
+        assert _reaches(hosts, "b", "c")
 
 
 def test_namespaces_a_dead_run_left_behind_are_swept() -> None:
