@@ -1,10 +1,11 @@
 """A decode request queued for blocks longer than the push's deadline still loads its KV.
 
-Issue 21, item 6. The prefill daemon's ``registered`` deadline is 2 s: a
+Issue 21, item 6. The prefill daemon's ``registered`` deadline is 1 s: a
 push whose receiver has not registered by then fails. The decode server has
 a KV cache of 33 blocks (a 1024-token context needs 32), and one long
-request (a 200-token prompt generating 800 tokens) holds them for several
-seconds; the P/D request's 900-token prompt needs 29 blocks, so it waits in
+request (a 200-token prompt generating 800 tokens) holds them for 1.5 s or
+more (measured: 1.7 s on a quiet machine, so a 2 s deadline was not always
+outlasted); the P/D request's 900-token prompt needs 29 blocks, so it waits in
 vLLM's queue until that one finishes. While it waits, the decode connector
 holds the push every 0.5 s (``hold_every_s``), and the prefill daemon
 journals each ``Held``. The KV still moves: the decode's tokens equal a
@@ -40,7 +41,7 @@ def queued_pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     with kvpushd_pd(
         tiny_model,
         tmp_path_factory.mktemp("pd-hold"),
-        prefill_daemon_extra="[deadlines]\nregistered = 2.0\nheld = 60.0",
+        prefill_daemon_extra="[deadlines]\nregistered = 1.0\nheld = 60.0",
         decode_kv_cache_bytes=33 * BLOCK_BYTES,
         decode_extra_config={"hold_every_s": 0.5},
     ) as pd:
@@ -72,7 +73,7 @@ def test_a_decode_request_queued_past_the_push_deadline_still_loads_the_prefills
     events = prefill.journal_events(transfer)
     held = [e for e in events if isinstance(e, Held)]
     # It queued past the push's deadline, and the holds carried it over.
-    assert waited > 2.0 and held, (waited, events)
+    assert waited > 1.0 and held, (waited, events)
     assert WriteDone in {type(e) for e in events}, events
     for daemon in (prefill, decode):
         assert not [e for e in daemon.journal_events(transfer) if isinstance(e, Failed)]
