@@ -52,6 +52,7 @@ from schemas import rpc
 from schemas.events import Failed, WriteDone
 from schemas.layout import Role
 from tests.support.fixtures import stop_cleanly
+from tests.support.pushes import push
 
 PORT = 7400  # every host has its own address: one port for all, as in a cluster
 SMALL = [SimGroup(num_blocks=64, block_bytes=16384, layers=2)]
@@ -129,38 +130,6 @@ def _ended(daemon: Daemon, request_id: str) -> list[str]:
 def _log_lines(daemon: Daemon, event: str) -> list[dict]:
     lines = [json.loads(line) for line in daemon.logs().splitlines() if line.startswith("{")]
     return [line for line in lines if line.get("event") == event]
-
-
-async def _push(
-    pe: SimEngine,
-    de: SimEngine,
-    prefill: Daemon,
-    rid: str,
-    src: list[list[int]],
-    dst: list[list[int]],
-    *,
-    on_demand: bool,
-    timeout: float = 30.0,
-) -> None:
-    """One whole lifecycle across hosts, bytes checked by the decode engine too."""
-    pairs = tail_pairs(pe.layout, src, de.layout, dst)
-    await de.decode_register(
-        rid,
-        dst,
-        "prefill",
-        expect=Expectation(pe.engine_id, pairs),
-        peer_address=prefill.address if on_demand else "",
-    )
-    await pe.prefill(rid, src)
-    arrived = await de.wait_event(rid, (rpc.KvArrived, rpc.RequestFailed), timeout=timeout)
-    freed = await pe.wait_event(rid, (rpc.BlocksFreeable, rpc.RequestFailed), timeout=timeout)
-    assert isinstance(arrived, rpc.KvArrived), arrived
-    assert isinstance(freed, rpc.BlocksFreeable), freed
-    report = de.reports[(rid, 1)]
-    assert report.ok, report.problems()
-    assert report.blocks_checked == sum(len(p) for p in pairs)
-    await de.release(rid)
-    await pe.release(rid)
 
 
 # ------------------------------------------------------------------ harness
@@ -262,12 +231,12 @@ async def test_the_lifecycle_and_the_trim_across_hosts_on_demand_and_static(
     ):
         # decode1 names the prefill by address: dialed on demand; it holds a
         # prefix already, so only the tail of the prefill's five blocks moves.
-        await _push(pe, d1, prefill, f"od-{tag}", [[1, 2, 3, 4, 5]], [[20, 21]], on_demand=True)
+        await push(pe, d1, prefill, f"od-{tag}", [[1, 2, 3, 4, 5]], [[20, 21]], on_demand=True)
         seen = _peers(decode1)["prefill"]
         assert seen["up"] and seen["on_demand"] and seen["direction"] == "dialed"
         assert seen["address"] == prefill.address
         # decode2 and the prefill list each other.
-        await _push(pe, d2, prefill, f"st-{tag}", [[6, 7, 8]], [[30, 31, 32]], on_demand=False)
+        await push(pe, d2, prefill, f"st-{tag}", [[6, 7, 8]], [[30, 31, 32]], on_demand=False)
         assert not _peers(decode2)["prefill"]["on_demand"]
         assert not _peers(prefill)["decode2"]["on_demand"]
     for daemon in (prefill, decode1, decode2):
@@ -306,7 +275,7 @@ async def _one_push_between_hosts(cluster: Cluster) -> None:
         await SimEngine.create(f"p-{tag}", Role.PUSHER, SMALL, cluster["prefill"].socket) as pe,
         await SimEngine.create(f"d-{tag}", Role.RECEIVER, SMALL, cluster["decode1"].socket) as de,
     ):
-        await _push(pe, de, cluster["prefill"], f"tcp-{tag}", [[1, 2]], [[3, 4]], on_demand=True)
+        await push(pe, de, cluster["prefill"], f"tcp-{tag}", [[1, 2]], [[3, 4]], on_demand=True)
 
 
 async def _one_push_on_loopback(prefill: Daemon, decode: Daemon) -> None:
@@ -315,7 +284,7 @@ async def _one_push_on_loopback(prefill: Daemon, decode: Daemon) -> None:
         await SimEngine.create(f"p-{tag}", Role.PUSHER, SMALL, prefill.socket) as pe,
         await SimEngine.create(f"d-{tag}", Role.RECEIVER, SMALL, decode.socket) as de,
     ):
-        await _push(pe, de, prefill, f"lo-{tag}", [[1, 2]], [[3, 4]], on_demand=False)
+        await push(pe, de, prefill, f"lo-{tag}", [[1, 2]], [[3, 4]], on_demand=False)
 
 
 async def test_one_prefill_host_spreads_requests_over_two_decode_hosts(
@@ -329,7 +298,7 @@ async def test_one_prefill_host_spreads_requests_over_two_decode_hosts(
         await SimEngine.create(f"d2-{tag}", Role.RECEIVER, SMALL, cluster["decode2"].socket) as d2,
     ):
         pushes = [
-            _push(
+            push(
                 pe,
                 d1 if i % 2 else d2,
                 prefill,
@@ -374,7 +343,7 @@ async def _push_once_linked(
     began = time.monotonic()
     while True:
         try:
-            await _push(pe, de, prefill, rid, [[1, 2]], [[1, 2]], on_demand=True)
+            await push(pe, de, prefill, rid, [[1, 2]], [[1, 2]], on_demand=True)
             return time.monotonic() - began
         except RpcError as refused:
             assert refused.code == "peer_unreachable", refused
@@ -408,7 +377,7 @@ async def test_a_partition_mid_write_fails_both_sides_and_the_other_host_keeps_w
             assert isinstance(await d1.client.release(rid), rpc.Deferred)
             # The other decode host is served throughout.
             for i in range(3):
-                await _push(
+                await push(
                     ps, d2, prefill, f"other{i}-{tag}", [[i + 1]], [[i + 1]], on_demand=False
                 )
             await d1.wait_event(rid, rpc.Released, timeout=30)
@@ -564,7 +533,7 @@ async def test_a_lost_host_is_fenced_its_requests_fail_and_the_others_are_served
             await dg.close()
         served = 0
         while not _downs(prefill, "gone"):
-            await _push(ps, d2, prefill, f"meanwhile{served}-{tag}", [[1]], [[1]], on_demand=False)
+            await push(ps, d2, prefill, f"meanwhile{served}-{tag}", [[1]], [[1]], on_demand=False)
             served += 1
             assert time.monotonic() - lost_at < 30, "the lost host was never fenced"
         fenced_s = time.monotonic() - lost_at
@@ -573,7 +542,7 @@ async def test_a_lost_host_is_fenced_its_requests_fail_and_the_others_are_served
             assert isinstance(failed, rpc.RequestFailed), failed
             assert len(_ended(prefill, rid)) == 1
             await pe.release(rid)
-        await _push(ps, d2, prefill, f"after-{tag}", [[2]], [[2]], on_demand=False)
+        await push(ps, d2, prefill, f"after-{tag}", [[2]], [[2]], on_demand=False)
     assert prefill.status()["live"] == 0
     fenced = [f for f in _log_lines(prefill, "peer fenced") if f["peer"] == "gone"]
     assert fenced, "no fence of the lost host in the prefill's log"

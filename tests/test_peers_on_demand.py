@@ -22,13 +22,14 @@ import pytest
 
 from daemon.client import RpcError
 from daemon.journal.replay import replay
-from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
+from daemon.sim.engine import SimEngine, SimGroup
 from daemon.sim.kvpattern import changed_blocks, snapshot
 from daemon.sim.launcher import Daemon, free_port, start_daemons, write_secret
 from schemas import rpc
 from schemas.events import Failed, Refused, Registered
 from schemas.layout import Role
 from tests.support.fixtures import stop_cleanly
+from tests.support.pushes import push
 
 LAYOUT = [
     SimGroup(num_blocks=256, block_bytes=4096, layers=2),
@@ -87,23 +88,6 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, Dae
     stop_cleanly(*daemons)
 
 
-async def _push(pe: SimEngine, de: SimEngine, prefill: Daemon, rid: str, src, dst) -> None:
-    pairs = tail_pairs(pe.layout, src, de.layout, dst)
-    await de.decode_register(
-        rid, dst, "prefill", expect=Expectation(pe.engine_id, pairs), peer_address=_address(prefill)
-    )
-    await pe.prefill(rid, src)
-    arrived = await de.wait_event(rid, (rpc.KvArrived, rpc.RequestFailed), timeout=20)
-    freed = await pe.wait_event(rid, (rpc.BlocksFreeable, rpc.RequestFailed), timeout=20)
-    assert isinstance(arrived, rpc.KvArrived), arrived
-    assert isinstance(freed, rpc.BlocksFreeable), freed
-    report = de.reports[(rid, 1)]
-    assert report.ok, report.problems()
-    assert report.blocks_checked == sum(len(p) for p in pairs)
-    await de.release(rid)
-    await pe.release(rid)
-
-
 async def test_push_to_a_peer_named_by_address_then_idle_close_and_redial(pair) -> None:
     prefill, decode = pair
     assert prefill.status()["peers"] == [] and decode.status()["peers"] == []
@@ -111,7 +95,9 @@ async def test_push_to_a_peer_named_by_address_then_idle_close_and_redial(pair) 
     pe = await SimEngine.create(f"p-{tag}", Role.PUSHER, LAYOUT, prefill.socket)
     de = await SimEngine.create(f"d-{tag}", Role.RECEIVER, LAYOUT, decode.socket)
     try:
-        await _push(pe, de, prefill, f"od1-{tag}", [[1, 2, 3, 4], [5, 6]], [[40, 41], [42]])
+        await push(
+            pe, de, prefill, f"od1-{tag}", [[1, 2, 3, 4], [5, 6]], [[40, 41], [42]], on_demand=True
+        )
         # Both daemons list the other, as on demand; the decode side dialed.
         seen_by_prefill = _peers(prefill)["decode"]
         assert seen_by_prefill["up"] and seen_by_prefill["on_demand"]
@@ -123,7 +109,7 @@ async def test_push_to_a_peer_named_by_address_then_idle_close_and_redial(pair) 
         boot = seen_by_decode["boot_id"]
 
         # A second request reuses the link: nobody dialed again.
-        await _push(pe, de, prefill, f"od2-{tag}", [[7, 8], [9]], [[50, 51], [52]])
+        await push(pe, de, prefill, f"od2-{tag}", [[7, 8], [9]], [[50, 51], [52]], on_demand=True)
         assert len(_log_lines(decode, "peer_up")) == 1
 
         # Nothing needs the link any more: it closes after the idle period,
@@ -137,7 +123,9 @@ async def test_push_to_a_peer_named_by_address_then_idle_close_and_redial(pair) 
         assert [line["reason"] for line in closed] == ["idle"]
 
         # The next registration dials again, and the push is as good.
-        await _push(pe, de, prefill, f"od3-{tag}", [[10, 11, 12], [13]], [[60, 61], [62]])
+        await push(
+            pe, de, prefill, f"od3-{tag}", [[10, 11, 12], [13]], [[60, 61], [62]], on_demand=True
+        )
         assert _peers(decode)["prefill"]["boot_id"] == boot
         assert len(_log_lines(decode, "peer_up")) == 2
     finally:
