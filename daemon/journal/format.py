@@ -8,8 +8,8 @@ be deleted. This module is the format: the specification below, the constants,
 the framing and its checks, shared by the writer (writer.py, recovery.py) and
 the reader (reader.py). The errors every journal module raises are here too.
 
-On-disk format (version 1; every integer is big-endian)
--------------------------------------------------------
+On-disk format (versions 1 and 2; every integer is big-endian)
+--------------------------------------------------------------
 
 A journal is a directory holding:
 
@@ -17,7 +17,7 @@ A journal is a directory holding:
     A segment. An 18-byte header, then record frames back to back::
 
         magic     4 bytes   b"KVPJ"
-        version   u16       FORMAT_VERSION
+        version   u16       1 or 2: how the segment's records are framed
         first_seq u64       sequence number of the segment's first record
         hcrc      u32       CRC32C of the 14 bytes above
 
@@ -25,10 +25,17 @@ A journal is a directory holding:
     ``first_seq + i``; sequence numbers are not stored per record. The header's
     ``first_seq`` must equal the one in the file name.
 
+    Each segment has one version; a directory may hold segments of both,
+    in any order (a journal written by an older kvpushd, continued in
+    format 2 by a newer one). A writer writes every segment it creates in
+    its own format (:meth:`Journal.open`'s ``format``), never appending to
+    an older one, so a segment's records all share its header's version.
+
 ``snap-{seq:020d}.kvs``
     A snapshot of the caller's state as of record ``seq``: the same 18-byte
-    header with magic ``b"KVPS"`` and ``seq`` in place of ``first_seq``, then
-    exactly one record frame holding the snapshot payload, then end of file.
+    header with magic ``b"KVPS"``, version 1 and ``seq`` in place of
+    ``first_seq``, then exactly one format-1 record frame holding the
+    snapshot payload, then end of file.
 
 ``journal.lock``
     Held with ``flock`` by the one :class:`Journal` writing the directory.
@@ -36,7 +43,7 @@ A journal is a directory holding:
 ``*.tmp``
     Files being created; ignored by readers and removed by :meth:`Journal.open`.
 
-A record frame is::
+Format 1: a frame per record::
 
     length    u32       payload length, 1 <= length <= MAX_RECORD_BYTES
     crc       u32       CRC32C of the 4 length bytes followed by the payload
@@ -45,6 +52,33 @@ A record frame is::
 A zero length is invalid. As ``crc32c(b"") == 0``, this guarantees that a run
 of zero bytes (what a filesystem may leave after a crash) never parses as a
 record. Sequence numbers start at 1 in a new journal.
+
+Format 2: a frame per commit (a *group*), holding every record appended
+since the previous write::
+
+    length    u32       length of the body (all below), 10 <= length <= MAX_GROUP_BYTES
+    crc       u32       CRC32C of the 4 length bytes followed by the body
+    mark      u8        0xDD
+    count     u32       n >= 1, the number of records in the group
+    payloads  the n payloads back to back
+    sizes     n x u32   each payload's length, 1 <= size <= MAX_RECORD_BYTES
+
+The sizes must add up to ``length - 5 - 4 * n``. The record of a group's
+i-th payload (from 0) has sequence number ``first`` + i, where ``first`` is
+one past the previous group's last (the header's ``first_seq`` for the
+segment's first group). ``mark`` and ``count`` are, byte for byte, a
+msgpack array header (array 32) of n items: when each payload is one
+msgpack value (the daemon's records are), ``mark`` through ``payloads`` is
+one msgpack array, decoded in one call; the journal itself never looks
+inside a payload. One CRC covers the group, so a group is intact or
+damaged as a whole: a torn group loses all its records, which is safe
+because a group is written with one ``write`` and none of its records may
+be acted upon before the ``fdatasync`` that follows. A zero length, or a
+mark other than 0xDD, is invalid, so a run of zero bytes never parses as
+a group either.
+
+Every rule below speaks of *frames*: a record frame in format 1, a group
+in format 2. A frame's *count* is 1 in format 1 and n in format 2.
 
 Reading and recovery rules
 --------------------------
@@ -73,18 +107,22 @@ Reading and recovery rules
 * ``salvage=True`` turns corruption into :class:`Damage` entries: reading
   resumes at the next valid frame. Frames carry no sequence numbers, so records
   that follow a damaged span in the same segment are numbered as if the span
-  held exactly one record (a lower bound, exact for a single damaged record);
-  ``seqs_exact`` is then False. The next segment's header restores exact
-  numbering.
+  held exactly one record (a lower bound, exact for a single damaged record
+  of format 1); ``seqs_exact`` is then False. The next segment's header
+  restores exact numbering.
+* A segment whose header is damaged (salvage only) is read in the format
+  whose frame is found intact right after the header, format 1 if none.
 
 Writer rules
 ------------
 
 * One writer per directory (``flock``), used from one thread. ``append``
-  buffers a frame and returns its seq; ``commit`` writes the buffer with one
+  buffers a record and returns its seq; ``commit`` writes the buffer with one
   ``write`` and, unless the policy is ``never``, one ``fdatasync`` (group
-  commit). A record may be acted upon once ``durable_seq >= seq``. The
-  journal commits by itself only under policy ``always`` (every append) and
+  commit). In format 2 the records buffered between two writes become one
+  group (two or more if they would pass ``MAX_GROUP_BYTES``). A record may
+  be acted upon once ``durable_seq >= seq``. The journal commits by itself
+  only under policy ``always`` (every append) and
   when a segment is full; otherwise when to commit is the caller's choice
   (the daemon's is :class:`GroupCommit`, groupcommit.py).
 * :meth:`Journal.open` never appends to a file written by an earlier process.
@@ -114,10 +152,15 @@ from crc32c import crc32c
 
 __all__ = [
     "DEFAULT_SEGMENT_BYTES",
+    "FORMAT_V1",
+    "FORMAT_V2",
     "FORMAT_VERSION",
     "FRAME_OVERHEAD",
+    "GROUP_OVERHEAD",
     "HEADER_SIZE",
+    "MAX_GROUP_BYTES",
     "MAX_RECORD_BYTES",
+    "WRITE_FORMAT_ENV",
     "JournalClosed",
     "JournalCorrupt",
     "JournalError",
@@ -125,6 +168,7 @@ __all__ = [
     "JournalLocked",
     "NoJournal",
     "check_payload",
+    "default_write_format",
     "segment_name",
     "snapshot_name",
 ]
@@ -132,8 +176,18 @@ __all__ = [
 # The names below that are neither in __all__ nor private are shared with the
 # other journal modules (writer.py, recovery.py, reader.py) and nobody else.
 
-FORMAT_VERSION = 1
+FORMAT_V1 = 1
+FORMAT_V2 = 2
+# The newest segment format this code reads and writes; snapshots stay format 1.
+FORMAT_VERSION = FORMAT_V2
+READABLE_VERSIONS = (FORMAT_V1, FORMAT_V2)
+SNAPSHOT_VERSION = FORMAT_V1
+# The format new segments are written in, unless Journal.open is told: format 1
+# until the daemon opts in (see default_write_format).
+WRITE_FORMAT_ENV = "KVPUSHD_JOURNAL_FORMAT"
+DEFAULT_WRITE_FORMAT = FORMAT_V1
 MAX_RECORD_BYTES = 16 * 1024 * 1024
+MAX_GROUP_BYTES = 32 * 1024 * 1024
 DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
 
 SEGMENT_MAGIC = b"KVPJ"
@@ -145,6 +199,14 @@ U32 = struct.Struct(">I")
 FRAME = struct.Struct(">II")
 HEADER_SIZE = _HEADER.size + U32.size
 FRAME_OVERHEAD = FRAME.size
+
+# Format 2: a group's mark and count follow its frame header.
+GROUP_MARK = 0xDD
+GROUP_MARK_BYTE = b"\xdd"
+GROUP_HEAD = struct.Struct(">IIBI")  # length, crc, mark, count
+GROUP_OVERHEAD = GROUP_HEAD.size  # per group; each record adds 4 bytes (its size)
+MARK_COUNT = struct.Struct(">BI")
+MIN_GROUP_LENGTH = MARK_COUNT.size + 1 + U32.size  # one 1-byte record
 
 SEGMENT_RE = re.compile(r"seg-(\d{20})\.kvj")
 SNAPSHOT_RE = re.compile(r"snap-(\d{20})\.kvs")
@@ -239,8 +301,23 @@ def frame_header(payload: BytesLike) -> bytes:
     return FRAME.pack(length, crc32c(payload, length_seed(length)))
 
 
-def pack_file_header(magic: bytes, seq: int) -> bytes:
-    head = _HEADER.pack(magic, FORMAT_VERSION, seq)
+def default_write_format() -> int:
+    """The format new segments are written in when Journal.open is not told.
+
+    ``DEFAULT_WRITE_FORMAT``, or the environment's ``KVPUSHD_JOURNAL_FORMAT``
+    (1 or 2): how a deployment, or a soak, turns format 2 on without a new
+    build. A journal written in either is read by this code.
+    """
+    value = os.environ.get(WRITE_FORMAT_ENV, "").strip()
+    if not value:
+        return DEFAULT_WRITE_FORMAT
+    if value not in ("1", "2"):
+        raise ValueError(f"{WRITE_FORMAT_ENV}={value!r}: the journal formats are 1 and 2")
+    return int(value)
+
+
+def pack_file_header(magic: bytes, seq: int, version: int = FORMAT_V1) -> bytes:
+    head = _HEADER.pack(magic, version, seq)
     return head + U32.pack(crc32c(head))
 
 
@@ -248,7 +325,8 @@ class Invalid(Exception):
     """Internal: a header or frame failed validation; the message says why."""
 
 
-def parse_file_header(data: bytes, magic: bytes) -> int:
+def parse_header(data: bytes, magic: bytes) -> tuple[int, int]:
+    """(first seq, format version) of a file's header; :class:`Invalid` if it is bad."""
     if len(data) < HEADER_SIZE:
         raise Invalid(f"file is {len(data)} bytes, shorter than its {HEADER_SIZE}-byte header")
     found_magic, version, seq = _HEADER.unpack_from(data)
@@ -257,11 +335,15 @@ def parse_file_header(data: bytes, magic: bytes) -> int:
         raise Invalid("header CRC mismatch")
     if found_magic != magic:
         raise Invalid(f"bad magic {found_magic!r}, expected {magic!r}")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS or (magic == SNAPSHOT_MAGIC and version != 1):
         raise Invalid(f"unsupported format version {version}")
     if seq < 1:
         raise Invalid(f"sequence number {seq} in header is below 1")
-    return int(seq)
+    return int(seq), int(version)
+
+
+def parse_file_header(data: bytes, magic: bytes) -> int:
+    return parse_header(data, magic)[0]
 
 
 def frame_problem(data: bytes, view: memoryview, offset: int) -> str | None:
@@ -332,6 +414,101 @@ def find_next_frame(data: bytes, view: memoryview, start: int) -> int | None:
             return None
         # A length field may start up to 3 zero bytes before a non-zero byte.
         pos = nonzero.start() - 3
+    return None
+
+
+# --------------------------------------------------------------------------
+# Format 2: groups
+
+_SIZES: dict[int, struct.Struct] = {}
+
+
+def sizes_struct(count: int) -> struct.Struct:
+    """The struct of a group's table of ``count`` sizes (cached; counts repeat)."""
+    found = _SIZES.get(count)
+    if found is None:
+        found = struct.Struct(f">{count}I")
+        if count < 4096:
+            _SIZES[count] = found
+    return found
+
+
+def group_sizes(data: bytes, offset: int) -> tuple[int, ...]:
+    """The payload sizes of the (valid) group at ``offset``."""
+    length, _, _, count = GROUP_HEAD.unpack_from(data, offset)
+    return sizes_struct(count).unpack_from(data, offset + FRAME_OVERHEAD + length - 4 * count)
+
+
+def _table_problem(length: int, count: int, sizes: tuple[int, ...]) -> str | None:
+    if sum(sizes) != length - MARK_COUNT.size - 4 * count:
+        return f"group sizes add up to {sum(sizes)}, its body holds {length - 5 - 4 * count}"
+    if min(sizes) < 1 or max(sizes) > MAX_RECORD_BYTES:
+        return f"group holds a record size outside 1..{MAX_RECORD_BYTES}"
+    return None
+
+
+def group_problem(data: bytes, view: memoryview, offset: int) -> str | None:
+    """Why the format-2 group at ``offset`` is invalid, or None if it is valid."""
+    end = len(data)
+    if offset + FRAME_OVERHEAD > end:
+        return f"frame header cut short ({end - offset} bytes before end of file)"
+    length, stored = FRAME.unpack_from(data, offset)
+    if length < MIN_GROUP_LENGTH:
+        return f"group length {length} is below {MIN_GROUP_LENGTH}"
+    if length > MAX_GROUP_BYTES:
+        return f"group length {length} exceeds {MAX_GROUP_BYTES}"
+    stop = offset + FRAME_OVERHEAD + length
+    if stop > end:
+        return f"{length}-byte group runs {stop - end} bytes past end of file"
+    computed = crc32c(view[offset + FRAME_OVERHEAD : stop], length_seed(length))
+    if computed != stored:
+        return f"group CRC mismatch (stored {stored:#010x}, computed {computed:#010x})"
+    mark, count = MARK_COUNT.unpack_from(data, offset + FRAME_OVERHEAD)
+    if mark != GROUP_MARK:
+        return f"group mark {mark:#04x}, expected {GROUP_MARK:#04x}"
+    if not 0 < count <= (length - MARK_COUNT.size) // 5:
+        return f"group count {count} does not fit its {length}-byte body"
+    return _table_problem(length, count, sizes_struct(count).unpack_from(data, stop - 4 * count))
+
+
+def parse_groups(data: bytes, view: memoryview, offset: int) -> tuple[int, int]:
+    """Walk intact groups from ``offset``; return (offset of first bad group or EOF, records).
+
+    Format 2's :func:`parse_run`: one CRC call per group, whatever it holds.
+    """
+    unpack = GROUP_HEAD.unpack_from
+    crc = crc32c
+    end = len(data)
+    limit = end - GROUP_OVERHEAD
+    records = 0
+    while offset <= limit:
+        length, stored, mark, count = unpack(data, offset)
+        body = offset + FRAME_OVERHEAD
+        stop = body + length
+        if stop > end or not MIN_GROUP_LENGTH <= length <= MAX_GROUP_BYTES:
+            break
+        if crc(view[body:stop], length_seed(length)) != stored:
+            break
+        if mark != GROUP_MARK or not 0 < count <= (length - MARK_COUNT.size) // 5:
+            break
+        if _table_problem(length, count, sizes_struct(count).unpack_from(data, stop - 4 * count)):
+            break
+        offset = stop
+        records += count
+    return offset, records
+
+
+def find_next_group(data: bytes, view: memoryview, start: int) -> int | None:
+    """The first offset >= start where a valid group begins, or None.
+
+    A group's mark byte sits right after its frame header, so only the
+    offsets 8 bytes before a 0xDD byte are tried.
+    """
+    pos = data.find(GROUP_MARK_BYTE, start + FRAME_OVERHEAD)
+    while pos >= 0:
+        if group_problem(data, view, pos - FRAME_OVERHEAD) is None:
+            return pos - FRAME_OVERHEAD
+        pos = data.find(GROUP_MARK_BYTE, pos + 1)
     return None
 
 

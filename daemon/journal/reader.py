@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import chain
@@ -21,7 +22,10 @@ from typing import NamedTuple
 from crc32c import crc32c
 
 from daemon.journal.format import (
+    FORMAT_V1,
+    FORMAT_V2,
     FRAME_OVERHEAD,
+    GROUP_OVERHEAD,
     HEADER_SIZE,
     SEGMENT_MAGIC,
     SEGMENT_RE,
@@ -33,9 +37,13 @@ from daemon.journal.format import (
     JournalError,
     NoJournal,
     find_next_frame,
+    find_next_group,
     frame_problem,
+    group_problem,
+    group_sizes,
     list_files,
-    parse_file_header,
+    parse_groups,
+    parse_header,
     parse_run,
 )
 
@@ -46,7 +54,9 @@ __all__ = [
     "Shape",
     "Snapshot",
     "UncheckedRecords",
+    "Unit",
     "clean_shape",
+    "first_payload",
     "read_journal",
     "read_unchecked",
     "require_journal",
@@ -85,6 +95,14 @@ class _Run:
 class _SegmentPlan:
     path: Path
     runs: tuple[_Run, ...]
+    version: int = FORMAT_V1
+
+
+# What replay folds: ``(seq, payload, sizes)``. ``sizes`` None: ``payload`` is
+# the record ``seq``. Otherwise ``payload`` is a format-2 group's records from
+# ``seq`` on, as one msgpack array header and the payloads (sizes given), so
+# a caller can decode them in one call.
+Unit = tuple[int, bytes | memoryview, tuple[int, ...] | None]
 
 
 class Records:
@@ -113,6 +131,10 @@ class Records:
 
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
         return chain.from_iterable(_iter_segment(seg, self._after) for seg in self._plan)
+
+    def units(self) -> Iterator[Unit]:
+        """The same records as :data:`Unit` s: a format-2 group in one piece."""
+        return chain.from_iterable(_iter_segment_units(seg, self._after) for seg in self._plan)
 
     def __repr__(self) -> str:
         return f"Records({self._count} records in {len(self._plan)} segments)"
@@ -145,10 +167,69 @@ class JournalContents:
 
 def _iter_segment(seg: _SegmentPlan, after: int) -> Iterator[tuple[int, bytes]]:
     data = _read_bytes(seg.path)
+    walk = _iter_frames if seg.version == FORMAT_V1 else _iter_groups
     for run in seg.runs:
         if len(data) < run.end:
             raise JournalError(f"{seg.path} shrank since it was read")
-        yield from _iter_frames(seg.path, data, run.start, run.end, run.first_seq, after)
+        yield from walk(seg.path, data, run.start, run.end, run.first_seq, after)
+
+
+def _iter_segment_units(seg: _SegmentPlan, after: int) -> Iterator[Unit]:
+    data = _read_bytes(seg.path)
+    for run in seg.runs:
+        if len(data) < run.end:
+            raise JournalError(f"{seg.path} shrank since it was read")
+        yield from _units(seg.path, data, seg.version, run.start, run.end, run.first_seq, after)
+
+
+def _units(
+    path: Path, data: bytes, version: int, start: int, end: int, first_seq: int, after: int
+) -> Iterator[Unit]:
+    if version == FORMAT_V1:
+        for seq, payload in _iter_frames(path, data, start, end, first_seq, after):
+            yield seq, payload, None
+        return
+    view = memoryview(data)
+    offset = start
+    seq = first_seq
+    while offset < end:
+        sizes = group_sizes(data, offset)
+        count = len(sizes)
+        body = offset + FRAME_OVERHEAD
+        stop = body + U32.unpack_from(data, offset)[0]
+        if seq > after:
+            yield seq, view[body : stop - 4 * count], sizes
+        elif seq + count - 1 > after:  # a snapshot inside the group: the rest one by one
+            position = body + 5
+            for index, size in enumerate(sizes):
+                if seq + index > after:
+                    yield seq + index, data[position : position + size], None
+                position += size
+        offset = stop
+        seq += count
+    if offset != end:
+        raise JournalError(f"{path} changed since it was read")
+
+
+def _iter_groups(
+    path: Path, data: bytes, start: int, end: int, first_seq: int, after: int
+) -> Iterator[tuple[int, bytes]]:
+    """``(seq, payload)`` of the records of the format-2 groups in ``data[start:end]``."""
+    unpack = U32.unpack_from
+    offset = start
+    seq = first_seq
+    while offset < end:
+        (length,) = unpack(data, offset)
+        sizes = group_sizes(data, offset)
+        position = offset + GROUP_OVERHEAD
+        for size in sizes:
+            if seq > after:
+                yield seq, data[position : position + size]
+            position += size
+            seq += 1
+        offset += FRAME_OVERHEAD + length
+    if offset != end:
+        raise JournalError(f"{path} changed since it was read")
 
 
 def _iter_frames(
@@ -193,6 +274,20 @@ class _ScannedSegment:
     lost_tail: bool = False  # salvage skipped damage up to end of file
     torn_at: int | None = None
     digest: int | None = None  # CRC32C of the whole file, for clean_shape
+    version: int = FORMAT_V1
+
+
+# Per format: walk intact frames, find the next valid one, say why one is bad.
+_PARSE = {FORMAT_V1: parse_run, FORMAT_V2: parse_groups}
+_FIND = {FORMAT_V1: find_next_frame, FORMAT_V2: find_next_group}
+_PROBLEM = {FORMAT_V1: frame_problem, FORMAT_V2: group_problem}
+
+
+def _guess_version(data: bytes) -> int:
+    """A damaged header's format: 2 if a group is intact right after it, else 1."""
+    if group_problem(data, memoryview(data), HEADER_SIZE) is None:
+        return FORMAT_V2
+    return FORMAT_V1
 
 
 class _Reader:
@@ -226,10 +321,11 @@ class _Reader:
             scanned.torn_at = 0
             return scanned
         try:
-            scanned.first_seq = parse_file_header(data, SEGMENT_MAGIC)
+            scanned.first_seq, scanned.version = parse_header(data, SEGMENT_MAGIC)
         except Invalid as exc:
             self.problem(path, 0, min(len(data), HEADER_SIZE), f"bad segment header: {exc}")
             scanned.damaged = True
+            scanned.version = _guess_version(data)
         # Salvage trusts a header over the name: only the header has a CRC.
         if name_seq is not None and scanned.first_seq != name_seq:
             reason = f"header says first seq {scanned.first_seq}, file name {name_seq}"
@@ -242,17 +338,18 @@ class _Reader:
     def _scan_frames(self, scanned: _ScannedSegment, data: bytes, is_last: bool) -> None:
         view = memoryview(data)
         offset = HEADER_SIZE
+        parse, find = _PARSE[scanned.version], _FIND[scanned.version]
         while True:
-            stop, count = parse_run(data, view, offset)
+            stop, count = parse(data, view, offset)
             if count:
                 scanned.runs.append((offset, stop, count))
             if stop == len(data):
                 return
-            resume = find_next_frame(data, view, stop + 1)
+            resume = find(data, view, stop + 1)
             if resume is None and is_last:
                 scanned.torn_at = stop
                 return
-            reason = frame_problem(data, view, stop) or "invalid frame"
+            reason = _PROBLEM[scanned.version](data, view, stop) or "invalid frame"
             skipped = (len(data) if resume is None else resume) - stop
             self.problem(scanned.path, stop, skipped, reason)
             scanned.damaged = True
@@ -264,7 +361,7 @@ class _Reader:
 
 def _read_snapshot(path: Path, name_seq: int) -> Snapshot:
     data = path.read_bytes()
-    seq = parse_file_header(data, SNAPSHOT_MAGIC)
+    seq, _ = parse_header(data, SNAPSHOT_MAGIC)
     if seq != name_seq:
         raise Invalid(f"header says seq {seq}, file name {name_seq}")
     problem = frame_problem(data, memoryview(data), HEADER_SIZE)
@@ -315,6 +412,35 @@ def _check_continuity(
         reader.problem(path, 0, 0, f"gap: records {floor + 1}..{first_seq - 1} are missing")
     elif prev_last is not None and first_seq <= prev_last:
         reader.problem(path, 0, 0, f"overlap: segment starts at {first_seq}, after {prev_last}")
+
+
+def first_payload(segment: Path) -> bytes | None:
+    """The payload of a segment file's first record, unchecked; None if it has none.
+
+    For tools that only peek (which node wrote a copied segment); reads the
+    header and the first frame, whatever the segment's format.
+    """
+    with segment.open("rb") as file:
+        head = file.read(HEADER_SIZE + GROUP_OVERHEAD)
+        if len(head) < HEADER_SIZE + FRAME_OVERHEAD:
+            return None
+        try:
+            _, version = parse_header(head, SEGMENT_MAGIC)
+        except Invalid:
+            version = FORMAT_V1  # a damaged header: peek as the oldest format
+        (length,) = U32.unpack_from(head, HEADER_SIZE)
+        if version == FORMAT_V1:
+            file.seek(HEADER_SIZE + FRAME_OVERHEAD)
+            return file.read(length)
+        if len(head) < HEADER_SIZE + GROUP_OVERHEAD:
+            return None
+        file.seek(HEADER_SIZE)
+        frame = file.read(FRAME_OVERHEAD + length)
+    try:
+        size = group_sizes(frame, 0)[0]
+    except (IndexError, struct.error):
+        return None
+    return frame[GROUP_OVERHEAD : GROUP_OVERHEAD + size]
 
 
 def require_journal(path: str | os.PathLike[str]) -> None:
@@ -464,14 +590,27 @@ class UncheckedRecords:
         self._seen: list[tuple[str, int, int, int]] = []
 
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        for seq, payload, sizes in self.units():
+            if sizes is None:
+                yield seq, bytes(payload)
+                continue
+            position = 5
+            for size in sizes:
+                yield seq, bytes(payload[position : position + size])
+                position += size
+                seq += 1
+
+    def units(self) -> Iterator[Unit]:
+        """Every frame as :data:`Unit` s (a format-2 group in one piece), CRCs unchecked."""
         for path in self._paths:
             data = _read_bytes(path)
             try:
-                first_seq = parse_file_header(data, SEGMENT_MAGIC)
+                first_seq, version = parse_header(data, SEGMENT_MAGIC)
             except Invalid as exc:
                 raise JournalError(f"{path}: bad segment header: {exc}") from exc
             self._seen.append((str(path), first_seq, len(data), crc32c(data)))
-            yield from _iter_frames(path, data, HEADER_SIZE, len(data), first_seq, self._after)
+            end = len(data)
+            yield from _units(path, data, version, HEADER_SIZE, end, first_seq, self._after)
 
     def shape(self) -> Shape:
         return Shape(_snapshot_key(self._snapshot), tuple(self._seen))
@@ -508,7 +647,7 @@ def _assemble(
         runs, prev_last = _number_runs(reader, scanned, first_seq)
         prev_damaged = scanned.damaged
         if runs:
-            plan.append(_SegmentPlan(scanned.path, tuple(runs)))
+            plan.append(_SegmentPlan(scanned.path, tuple(runs), scanned.version))
     tail = scans[-1] if scans else None
     torn_at = None if tail is None or tail.torn_at is None else (tail.path, tail.torn_at)
     return JournalContents(

@@ -25,8 +25,15 @@ from daemon import failpoints
 from daemon.journal.format import (
     DEFAULT_SEGMENT_BYTES,
     FILE_MODE,
+    FORMAT_V1,
+    FORMAT_V2,
     FRAME,
+    FRAME_OVERHEAD,
+    GROUP_MARK,
+    GROUP_OVERHEAD,
     HEADER_SIZE,
+    MARK_COUNT,
+    MAX_GROUP_BYTES,
     MAX_RECORD_BYTES,
     SEEDS,
     SEGMENT_MAGIC,
@@ -39,11 +46,13 @@ from daemon.journal.format import (
     JournalError,
     JournalFatal,
     bad_size,
+    default_write_format,
     frame_header,
     length_seed,
     list_files,
     pack_file_header,
     segment_name,
+    sizes_struct,
     snapshot_name,
 )
 from daemon.journal.reader import JournalContents, read_journal
@@ -103,6 +112,8 @@ class Journal:
         "_durable_seq",
         "_failure",
         "_fd",
+        "_format",
+        "_groups",
         "_lock_fd",
         "_next_seq",
         "_policy",
@@ -110,6 +121,7 @@ class Journal:
         "_segment_bytes",
         "_segment_path",
         "_segment_size",
+        "_sizes",
         "_snapshot_seq",
         "_sync_each",
         "_sys",
@@ -125,8 +137,15 @@ class Journal:
         segment_bytes: int,
         syscalls: _Syscalls,
         recovered: JournalContents,
+        format: int = FORMAT_V1,
     ) -> None:
         """Internal: use :meth:`Journal.open`, which recovers the directory first."""
+        # Format 2: _buf holds the open group (its 13-byte head reserved and
+        # filled in when it is written), _sizes its payload sizes, _groups the
+        # groups closed because they reached MAX_GROUP_BYTES, not yet written.
+        self._format = format
+        self._sizes: list[int] = []
+        self._groups: list[bytearray] = []
         self._directory = directory
         self._lock_fd = lock_fd
         self._policy = policy
@@ -137,7 +156,7 @@ class Journal:
         self._snapshot_seq = 0 if recovered.snapshot is None else recovered.snapshot.seq
         self._next_seq = recovered.last_seq + 1
         self._durable_seq = recovered.last_seq
-        self._buf = bytearray()
+        self._buf = self._new_buffer()
         self._fd: int | None = None
         self._segment_path: Path | None = None
         self._segment_size = 0
@@ -157,8 +176,14 @@ class Journal:
         write: WriteFn = os.write,
         fdatasync: SyncFn = os.fdatasync,
         fsync_dir: SyncFn = os.fsync,
+        format: int | None = None,
     ) -> Journal:
         """Lock ``directory`` (created if missing), recover it and start a new segment.
+
+        ``format``: the on-disk format of the segments this journal creates,
+        1 (a frame per record) or 2 (a frame per commit); None:
+        :func:`~daemon.journal.format.default_write_format`. A directory's
+        older segments are read whatever their format.
 
         Raises :class:`JournalLocked` if another Journal holds it,
         :class:`JournalCorrupt` if it holds anything but a torn tail, and
@@ -167,6 +192,10 @@ class Journal:
         """
         if segment_bytes <= HEADER_SIZE:
             raise ValueError(f"segment_bytes must exceed the {HEADER_SIZE}-byte header")
+        if format is None:
+            format = default_write_format()
+        if format not in (FORMAT_V1, FORMAT_V2):
+            raise ValueError(f"format must be {FORMAT_V1} or {FORMAT_V2}, got {format}")
         policy = FsyncPolicy(fsync)
         root = Path(directory)
         syscalls = _Syscalls(write=write, fdatasync=fdatasync, fsync=fsync_dir)
@@ -181,6 +210,7 @@ class Journal:
                 segment_bytes=segment_bytes,
                 syscalls=syscalls,
                 recovered=recovered,
+                format=format,
             )
             journal._start_segment()
         except BaseException:
@@ -197,6 +227,11 @@ class Journal:
     @property
     def policy(self) -> FsyncPolicy:
         return self._policy
+
+    @property
+    def format(self) -> int:
+        """The format of the segments this journal writes (1 or 2)."""
+        return self._format
 
     @property
     def next_seq(self) -> int:
@@ -247,23 +282,59 @@ class Journal:
         length = len(payload)
         if not 0 < length <= MAX_RECORD_BYTES:
             raise bad_size(length)
-        try:
-            seed = SEEDS[length]
-        except KeyError:
-            seed = length_seed(length)
         buf = self._buf
-        buf += FRAME.pack(length, crc32c(payload, seed))
-        buf += payload
+        sizes = self._sizes
+        if self._format == FORMAT_V1:
+            try:
+                seed = SEEDS[length]
+            except KeyError:
+                seed = length_seed(length)
+            buf += FRAME.pack(length, crc32c(payload, seed))
+            buf += payload
+            pending = len(buf)
+        else:
+            # Format 2: the payload joins the open group; framing and the one
+            # CRC wait for the write (_close_group).
+            pending = len(buf) + 4 * len(sizes) + length + 4
+            if pending - FRAME_OVERHEAD > MAX_GROUP_BYTES:
+                self._close_group()
+                buf, sizes = self._buf, self._sizes
+                pending = len(buf) + length + 4
+            buf += payload
+            sizes.append(length)
+            if self._groups:
+                pending += sum(map(len, self._groups))
         seq = self._next_seq
         self._next_seq = seq + 1
-        if self._sync_each or self._segment_size + len(buf) >= self._segment_bytes:
+        if self._sync_each or self._segment_size + pending >= self._segment_bytes:
             self.commit()
         return seq
+
+    def _new_buffer(self) -> bytearray:
+        # Format 2 reserves the group's head (length, crc, mark, count).
+        return bytearray(GROUP_OVERHEAD if self._format == FORMAT_V2 else 0)
+
+    def _close_group(self) -> None:
+        """Frame the open group (format 2): sizes, mark and count, length, one CRC."""
+        sizes, self._sizes = self._sizes, []
+        buf, self._buf = self._buf, self._new_buffer()
+        if not sizes:
+            return
+        count = len(sizes)
+        buf += sizes_struct(count).pack(*sizes)
+        length = len(buf) - FRAME_OVERHEAD
+        MARK_COUNT.pack_into(buf, FRAME_OVERHEAD, GROUP_MARK, count)
+        crc = crc32c(memoryview(buf)[FRAME_OVERHEAD:], length_seed(length))
+        FRAME.pack_into(buf, 0, length, crc)
+        self._groups.append(buf)
+
+    def _has_buffered(self) -> bool:
+        return bool(self._sizes or self._groups) if self._format == FORMAT_V2 else bool(self._buf)
 
     def commit(self) -> int:
         """Write the buffered records in one write and sync per policy; return durable_seq."""
         self._check_usable()
-        if self._buf:
+        if self._has_buffered():
             self._write_buffer()
         if self._segment_size >= self._segment_bytes:
             self._rotate()
@@ -282,7 +353,7 @@ class Journal:
         segment rotates and closes in the meantime.
         """
         self._check_usable()
-        if self._buf:
+        if self._has_buffered():
             self._write_out()
         written = self._next_seq - 1
         if self._segment_size >= self._segment_bytes:
@@ -319,7 +390,12 @@ class Journal:
         """write(2) the buffered records to the active segment, unsynced."""
         # Swapped out, never resized in place: a failed write may leave views of
         # it alive (in the traceback), and a bytearray with views cannot shrink.
-        buf, self._buf = self._buf, bytearray()
+        if self._format == FORMAT_V2:
+            self._close_group()
+            groups, self._groups = self._groups, []
+            buf = groups[0] if len(groups) == 1 else bytearray().join(groups)
+        else:
+            buf, self._buf = self._buf, bytearray()
         with self._fatal_on_oserror(f"writing {self._segment_path}"):
             failpoints.hit("journal.write")
             _write_all(self._sys.write, self._active_fd(), buf)
@@ -351,7 +427,8 @@ class Journal:
         path = self._directory / segment_name(first_seq)
         with self._fatal_on_oserror(f"creating {path}"):
             failpoints.hit("journal.rotate")
-            self._fd = _create_durably(path, pack_file_header(SEGMENT_MAGIC, first_seq), self._sys)
+            header = pack_file_header(SEGMENT_MAGIC, first_seq, self._format)
+            self._fd = _create_durably(path, header, self._sys)
         self._segment_path = path
         self._segment_size = HEADER_SIZE
         self._unsynced = False
@@ -466,7 +543,8 @@ class Journal:
 
     def _fail(self, what: str, exc: OSError) -> NoReturn:
         self._failure = JournalFatal(f"{what}: {exc}")
-        self._buf = bytearray()
+        self._buf = self._new_buffer()
+        self._sizes, self._groups = [], []
         raise self._failure from exc
 
 

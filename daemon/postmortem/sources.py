@@ -8,8 +8,8 @@ from pathlib import Path
 
 import msgspec
 
-from daemon.journal.format import FRAME_OVERHEAD, HEADER_SIZE, NoJournal
-from daemon.journal.reader import require_journal
+from daemon.journal.format import NoJournal
+from daemon.journal.reader import first_payload, require_journal
 from daemon.postmortem.vocab import PostmortemError
 from schemas.events import Record, decode_record
 
@@ -40,12 +40,8 @@ def _first_record(segment: Path) -> Record | None:
     unreadable; the fold will say why.
     """
     try:
-        with segment.open("rb") as f:
-            head = f.read(HEADER_SIZE + FRAME_OVERHEAD)
-            if len(head) < HEADER_SIZE + FRAME_OVERHEAD:
-                return None
-            length = int.from_bytes(head[HEADER_SIZE : HEADER_SIZE + 4], "big")
-            return decode_record(f.read(length))
+        payload = first_payload(segment)
+        return None if payload is None else decode_record(payload)
     except (OSError, msgspec.DecodeError, msgspec.ValidationError):
         return None
 
