@@ -30,10 +30,10 @@ from daemon.journal.format import (
     segment_name,
 )
 from daemon.journal.reader import first_payload, read_journal, read_unchecked
-from daemon.journal.replay import replay
+from daemon.journal.replay import fold_contents, replay
 from daemon.journal.writer import FsyncPolicy, Journal
 from daemon.node.ledger import Ledger
-from schemas.events import KvReady, WriteDone, WriteStarted
+from schemas.events import KvReady, Record, WriteDone, WriteStarted
 from schemas.layout import EngineLayout, GroupKind, GroupLayout, Role
 from statemachine import Registry
 
@@ -363,3 +363,19 @@ def test_replay_of_format_2_equals_format_1(tmp_path: Path, parallel: bool) -> N
     seen: list[int] = []
     replay(tmp_path / "two", on_record=lambda record, touched: seen.append(record.seq))
     assert seen == list(range(1, one.last_seq + 1))
+
+
+@pytest.mark.parametrize("journal_format", [1, 2])
+def test_on_batch_sees_what_on_record_sees(tmp_path: Path, journal_format: int) -> None:
+    lifecycles(tmp_path, journal_format, 200)
+    one_by_one: list[tuple[int, object]] = []
+    batched: list[tuple[int, object]] = []
+
+    def on_batch(records: list[Record], touched: list[object]) -> None:
+        assert 0 < len(records) == len(touched)
+        batched.extend((record.seq, t) for record, t in zip(records, touched, strict=True))
+
+    contents = read_journal(tmp_path)
+    fold_contents(contents, on_record=lambda r, t: one_by_one.append((r.seq, t)))
+    fold_contents(contents, on_batch=on_batch)
+    assert batched == one_by_one and len(batched) == contents.last_seq

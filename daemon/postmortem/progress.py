@@ -62,6 +62,19 @@ class ProgressSlot:
 
         return ticking
 
+    def wrap_batch(
+        self, on_batch: Callable[[list[Record], list[object]], None]
+    ) -> Callable[[list[Record], list[object]], None]:
+        """:meth:`wrap` for a fold's ``on_batch``: the count moves a batch at a time."""
+        shared, index = self._shared, 2 * self._slot
+
+        def ticking(records: list[Record], touched: list[object]) -> None:
+            on_batch(records, touched)
+            self._count += len(records)
+            shared[index] = self._count
+
+        return ticking
+
     def finish(self) -> None:
         self._shared[2 * self._slot] = self._shared[2 * self._slot + 1]
 
