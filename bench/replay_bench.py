@@ -138,15 +138,22 @@ def _request_steps(i: int) -> list[Scheduled]:
     return [(when, node, i, n, maker) for n, (when, node, maker) in enumerate(steps)]
 
 
-def write_pair(directory: Path, target_events: int) -> dict[str, Path]:
-    """A prefill and a decode journal with about ``target_events`` records in all."""
+def write_pair(
+    directory: Path, target_events: int, journal_format: int = 2, group: int = 8
+) -> dict[str, Path]:
+    """A prefill and a decode journal with about ``target_events`` records in all.
+
+    Each node commits once ``group`` records are pending (in format 2, a
+    frame per commit; format 1's bytes do not depend on commits).
+    """
     paths = {node: directory / f"{node}-journal" for node in (PREFILL, DECODE)}
     clocks = {PREFILL: _Clock(0.0), DECODE: _Clock(CLOCK_SKEW_S)}
     requests = target_events // 11
     with (
-        Journal.open(paths[PREFILL], fsync=FsyncPolicy.NEVER) as pj,
-        Journal.open(paths[DECODE], fsync=FsyncPolicy.NEVER) as dj,
+        Journal.open(paths[PREFILL], fsync=FsyncPolicy.NEVER, format=journal_format) as pj,
+        Journal.open(paths[DECODE], fsync=FsyncPolicy.NEVER, format=journal_format) as dj,
     ):
+        journals = {PREFILL: pj, DECODE: dj}
         registries = {PREFILL: Registry(), DECODE: Registry()}
         recorders = {
             PREFILL: Ledger(pj, registries[PREFILL], node=PREFILL, clock=clocks[PREFILL]),
@@ -168,6 +175,8 @@ def write_pair(directory: Path, target_events: int) -> dict[str, Path]:
                     clocks[node].now = when
                     for event in maker(registries[node]):
                         recorders[node].append(event)
+                    if journals[node].pending >= group:
+                        journals[node].commit()
     return paths
 
 
@@ -235,18 +244,25 @@ def _cli(paths: list[Path]) -> None:
     assert done.returncode == 0, done.stderr
 
 
-def _journals(directory: Path, target_events: int) -> tuple[dict[str, Path], str]:
+def _journals(
+    directory: Path, target_events: int, journal_format: int, group: int
+) -> tuple[dict[str, Path], str]:
     """The pair of journals in ``directory``: reused if there, written otherwise."""
     paths = {node: directory / f"{node}-journal" for node in (PREFILL, DECODE)}
     if all(p.is_dir() for p in paths.values()):
         return paths, "reused"
     t0 = time.perf_counter()
-    write_pair(directory, target_events)
-    return paths, f"written in {time.perf_counter() - t0:.1f} s"
+    write_pair(directory, target_events, journal_format, group)
+    return paths, (
+        f"format {journal_format}, a commit per {group} records, "
+        f"written in {time.perf_counter() - t0:.1f} s"
+    )
 
 
-def run(directory: Path, target_events: int, runs: int) -> tuple[list[Timing], str]:
-    paths, written = _journals(directory, target_events)
+def run(
+    directory: Path, target_events: int, runs: int, journal_format: int = 2, group: int = 8
+) -> tuple[list[Timing], str]:
+    paths, written = _journals(directory, target_events, journal_format, group)
     counts = {node: replay(path).records for node, path in paths.items()}
     total = sum(counts.values())
     both = [paths[PREFILL], paths[DECODE]]
@@ -292,13 +308,19 @@ def main() -> None:
         "--dir", type=Path, help="keep the journals here, and reuse them if already there"
     )
     parser.add_argument("--no-write", action="store_true", help="print only; keep RESULTS.md")
+    parser.add_argument(
+        "--format", type=int, default=2, choices=(1, 2), help="journal format to write (default 2)"
+    )
+    parser.add_argument(
+        "--group", type=int, default=8, metavar="N", help="records per commit (default 8)"
+    )
     args = parser.parse_args()
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=True)
-        timings, notes = run(args.dir, args.events, args.runs)
+        timings, notes = run(args.dir, args.events, args.runs, args.format, args.group)
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            timings, notes = run(Path(tmp), args.events, args.runs)
+            timings, notes = run(Path(tmp), args.events, args.runs, args.format, args.group)
     lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     lines += ["| " + " | ".join(t.cells()) + " |" for t in timings]
     core = next(
