@@ -63,11 +63,13 @@ def _attach_metrics(config: Config, node: Node) -> NodeMetrics | None:
         return None
     from daemon.node.metrics import NodeMetrics  # only daemons with metrics need prometheus_client
 
-    return NodeMetrics(node)
+    metrics = NodeMetrics(status=node.status, live=lambda: node.registry.live.values())
+    node.observers.append(metrics.observe)
+    return metrics
 
 
 async def _serve_metrics(metrics: NodeMetrics, node: Node, port: int) -> int:
-    metrics.hook_group_commit()
+    metrics.hook_group_commit(node.group)
     bound = await metrics.start(port)
     node.metrics_port = bound
     log.info("metrics endpoint", url=f"http://127.0.0.1:{bound}/metrics")
@@ -115,7 +117,7 @@ def _peer_manager(config: Config, node: Node, secret: bytes) -> PeerManager | No
         accept_unlisted=config.on_demand_peers,
         connect_timeout_s=config.peer_connect_timeout_s,
         idle_close_s=config.peer_idle_close_s,
-        in_use=node.peers.in_use,
+        in_use=node.peer_in_use,
     )
 
 

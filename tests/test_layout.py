@@ -105,6 +105,13 @@ RULES = (
         ),
     ),
     Rule(
+        "node-parts",
+        "no part of daemon/node/ holds the Node: only the runtime imports daemon.node.runtime"
+        " (type-only imports count); each part is given what it uses",
+        lambda m: is_under(m, ("daemon.node",)) and m != "daemon.node.runtime",
+        lambda n: n != "daemon.node.runtime",
+    ),
+    Rule(
         "sim-leaf",
         "nothing in the package reaches daemon.sim but daemon/sim itself and daemon/cli.py"
         " (the demo command)",
@@ -177,6 +184,32 @@ def test_the_graph_holds_every_wing(graph: ImportGraph) -> None:
     } <= graph.modules
 
 
+def node_cycles(graph: ImportGraph) -> list[str]:
+    """Pairs of daemon/node/ modules that reach each other (type-only imports count)."""
+    parts = sorted(m for m in graph.modules if is_under(m, ("daemon.node",)) and m != "daemon.node")
+    found = []
+    for module in parts:
+        for name in graph.reach(module):
+            if name > module and name in parts and module in graph.reach(name):
+                found.append(f"{module} <-> {name}")
+    return found
+
+
+def test_the_parts_of_the_node_form_no_import_cycle(graph: ImportGraph) -> None:
+    # Each part is given the parts it uses; none reaches back to one that uses it.
+    assert node_cycles(graph) == []
+
+
+def test_a_node_cycle_is_reported() -> None:
+    tree = _package(
+        {
+            "daemon.node.engines": "from daemon.node.windows import Windows\n",
+            "daemon.node.windows": "if TYPE_CHECKING:\n    from daemon.node.engines import E\n",
+        }
+    )
+    assert node_cycles(tree) == ["daemon.node.engines <-> daemon.node.windows"]
+
+
 # ------------------------------------------------------- the rules can fail
 
 
@@ -237,6 +270,21 @@ BROKEN: dict[str, tuple[dict[str, str], list[str]]] = {
             "daemon.config": "\n\nimport torch\n",
         },
         ["daemon.ops.status:1 -> daemon.config:3 -> torch"],
+    ),
+    "node-parts": (
+        {
+            "daemon.node.peers": "from daemon.node.windows import Windows\n",
+            "daemon.node.windows": (
+                "from typing import TYPE_CHECKING\n"
+                "if TYPE_CHECKING:\n"
+                "    from daemon.node.runtime import Node\n"
+            ),
+            "daemon.node.runtime": "from daemon.node.peers import Peers\n",  # allowed
+        },
+        [
+            "daemon.node.peers:1 -> daemon.node.windows:3 -> daemon.node.runtime",
+            "daemon.node.windows:3 -> daemon.node.runtime",
+        ],
     ),
     "sim-leaf": (
         {

@@ -13,7 +13,6 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
-from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -25,6 +24,7 @@ from schemas.events import DaemonStarted, Failed, Released
 from schemas.layout import Role
 from schemas.reasons import FAILURE_REASONS, REFUSAL_REASONS, Reason
 from schemas.state import RequestRecord, State
+from schemas.status import StatusDocument
 from tests.support import REPO
 from tests.support.metrics import MetricsDaemon, Samples, delta, metrics_pair, value
 
@@ -245,9 +245,9 @@ def _record(state: State, entered_at: float, role: Role = Role.PUSHER) -> Reques
 def test_restart_seeds_time_in_state_from_the_replayed_registry():
     # No daemon needed: feed the observer what Node.record() would.
     writing = _record(State.WRITING, entered_at=100.0)
-    node = SimpleNamespace(observers=[], registry=SimpleNamespace(live={"r": writing}))
-    metrics = NodeMetrics(node)  # type: ignore[arg-type]
-    (observe,) = node.observers
+    # Built alone: the status it gauges is a plain document, the live records a list.
+    metrics = NodeMetrics(status=lambda: StatusDocument(node="n"), live=lambda: [writing])
+    observe = metrics.observe
     observe(DaemonStarted(1, "0.1.0", "boot"), None, 104.0)
     failed = msgspec.structs.replace(writing, state=State.FAILED, entered_at=105.0)
     observe(Failed("r", 1, Reason.DAEMON_RESTART, "restarted"), failed, 105.0)

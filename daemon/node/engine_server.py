@@ -14,7 +14,7 @@ import errno
 import os
 import socket
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -114,25 +114,18 @@ REFUSED_DISCARD_BYTES = 1024 * 1024
 
 
 class EngineApi(Protocol):
-    """What the server needs from the node behind it (daemon/node/runtime.py ``Node``)."""
+    """What the server needs from the node behind it (daemon/node/runtime.py ``Node``).
+
+    ``handlers`` maps each request type to the call that serves it
+    (daemon/node/engine_rpc.py); it is read when the server starts serving,
+    once the node is open.
+    """
 
     config: Config
     fatal: BaseException | None
     boot_id: str
 
-    async def rpc_register_engine(self, session: Session, req: rpc.RegisterEngine) -> rpc.Reply: ...
-
-    async def rpc_register_request(
-        self, session: Session, req: rpc.RegisterRequest
-    ) -> rpc.Reply: ...
-
-    async def rpc_kv_ready(self, session: Session, req: rpc.KvReady) -> rpc.Reply: ...
-
-    async def rpc_release(self, session: Session, req: rpc.Release) -> rpc.Reply: ...
-
-    async def rpc_abort(self, session: Session, req: rpc.Abort) -> rpc.Reply: ...
-
-    async def rpc_hold(self, session: Session, req: rpc.Hold) -> rpc.Reply: ...
+    def handlers(self) -> Mapping[type, Handler]: ...
 
     async def record_refusal(self, request: rpc.Request, refusal: Refusal) -> bool: ...
 
@@ -160,16 +153,8 @@ class EngineServer:
         self._server: asyncio.AbstractServer | None = None
         self._claim: SocketClaim | None = None
         self._decoder = msgspec.msgpack.Decoder(rpc.Request)
-        self._handlers: dict[type, Handler] = {
-            rpc.Hello: self._hello,
-            rpc.RegisterEngine: node.rpc_register_engine,
-            rpc.RegisterRequest: node.rpc_register_request,
-            rpc.KvReady: node.rpc_kv_ready,
-            rpc.Release: node.rpc_release,
-            rpc.Abort: node.rpc_abort,
-            rpc.Hold: node.rpc_hold,
-            rpc.Status: self._status,
-        }
+        # The node's calls join these two when serving starts (start()).
+        self._handlers: dict[type, Handler] = {rpc.Hello: self._hello, rpc.Status: self._status}
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def bind(self) -> None:
@@ -195,6 +180,7 @@ class EngineServer:
             raise
 
     async def start(self) -> None:
+        self._handlers.update(self.node.handlers())
         await self.bind()
         assert self._server is not None
         await self._server.start_serving()

@@ -18,18 +18,22 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import structlog
 
 from daemon.dataplane.memory import MappedRegion, OffloadPool, RegionError, map_dram_region
-from daemon.dataplane.plane import DataPlaneError
-from daemon.dataplane.vram import VramRegion, open_vram_region
+from daemon.dataplane.plane import DataPlane, DataPlaneError
+from daemon.dataplane.vram import open_vram_region
+from daemon.node.engine_state import EngineSession, EngineState, Region
+from daemon.node.ledger import Ledger
+from daemon.node.tasks import Spawn
+from daemon.node.windows import Windows
 from schemas import rpc
 from schemas.events import Event, Registered
-from schemas.kvlayout import EngineSpec, MemoryKind, RegionSpec, RemoteEngine
+from schemas.kvlayout import EngineSpec, MemoryKind
 from schemas.reasons import Reason
 from schemas.state import RequestRecord
 from statemachine import Refusal
@@ -37,42 +41,30 @@ from statemachine.notices import on_engine_back
 from statemachine.overlay import OverlayRefused, group_overlays
 from statemachine.reactions import Cause
 
-if TYPE_CHECKING:
-    from daemon.node.runtime import Node
-
 log = structlog.get_logger("kvpushd.node")
-
-Region = MappedRegion | VramRegion
-
-
-class EngineSession(Protocol):
-    """What the node needs from an engine's connection (see engine_server.Session)."""
-
-    uid: int
-    gid: int
-    pid: int
-
-    def send_event(self, event: Any) -> None: ...
-
-
-@dataclass
-class EngineState:
-    spec: EngineSpec
-    regions: dict[str, Region]  # VRAM: GPU KV caches (daemon/dataplane/vram.py)
-    remote: RemoteEngine
-    session: EngineSession | None
-    offload: OffloadPool | None = None
-    offload_region: MappedRegion | None = None
-    offload_spec: RegionSpec | None = None
-    live: int = 0
-    # What each peer is told: the engine seen through that peer's own windows.
-    windows: dict[str, RemoteEngine] = field(default_factory=dict)
 
 
 class Engines:
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        self.by_id: dict[str, EngineState] = {}
+    def __init__(
+        self,
+        *,
+        node: str,
+        ledger: Ledger,
+        dataplane: DataPlane,
+        windows: Windows,
+        by_id: dict[str, EngineState],
+        spawn: Spawn,
+        closing: Callable[[], bool],
+        tombstones: int,
+    ) -> None:
+        self._node = node
+        self._ledger = ledger
+        self._dataplane = dataplane
+        self._windows = windows
+        self._spawn = spawn
+        self._closing = closing
+        # Shared, read-only, with the windows, the transfers and the peers.
+        self.by_id = by_id
         # Offload slots held per live request, as the core granted them:
         # (request id, incarnation) -> (engine, slots). Keyed by incarnation
         # too: the next incarnation may be granted slots before the release
@@ -81,7 +73,7 @@ class Engines:
         # Releases no engine heard of yet, oldest dropped first (bounded like
         # the tombstones that would refuse a late call about them anyway).
         self._unannounced: collections.deque[tuple[str, rpc.Released]] = collections.deque(
-            maxlen=node.config.limits.tombstones
+            maxlen=tombstones
         )
 
     # ------------------------------------------------------------- telling
@@ -107,7 +99,7 @@ class Engines:
                 else:
                     kept.append((owner, released))
             self._unannounced = kept
-        for record in list(self.node.registry.live.values()):
+        for record in list(self._ledger.registry.live.values()):
             if record.engine_id == engine_id:
                 for event in on_engine_back(record):
                     self.tell_engine(engine_id, event)
@@ -115,7 +107,6 @@ class Engines:
     # ---------------------------------------------------------- registering
 
     async def register(self, session: EngineSession, req: rpc.RegisterEngine) -> rpc.Reply:
-        node = self.node
         spec = EngineSpec(req.engine_id, req.groups, req.regions, req.fingerprint)
         _check_offload(req)
         existing = self.by_id.get(req.engine_id)
@@ -138,7 +129,7 @@ class Engines:
             overlays = group_overlays(spec.groups)
         except OverlayRefused as exc:
             raise RegionError(f"engine {req.engine_id}: {exc}") from exc
-        attach = node.registry.check_attach(spec.layout(req.offload_slots, overlays))
+        attach = self._ledger.registry.check_attach(spec.layout(req.offload_slots, overlays))
         # Off the loop: opening the first VRAM region initializes CUDA in this
         # process (seconds), which must not stall heartbeats or other engines' RPCs.
         regions = await asyncio.to_thread(self._map_regions, spec, session.uid)
@@ -146,7 +137,7 @@ class Engines:
         try:
             if req.offload is not None:
                 offload_region = map_dram_region(req.offload, owner_uid=session.uid)
-            remote = await node.dataplane.add_local_engine(spec, regions)
+            remote = await self._dataplane.add_local_engine(spec, regions)
         except (DataPlaneError, RegionError) as exc:
             for region in regions.values():
                 region.close()
@@ -158,20 +149,22 @@ class Engines:
         engine = EngineState(spec, regions, remote, session)
         engine.offload_region, engine.offload_spec = offload_region, req.offload
         try:
-            await node.windows.open_for_all_peers(engine)
+            await self._windows.open_for_all_peers(engine)
             if offload_region is not None:
                 # After the last await: the slots held now are the ones kept.
                 self._open_pool(engine, offload_region, req.offload_slots)
         except (DataPlaneError, RegionError) as exc:
+            if req.engine_id not in self.by_id:
+                self._windows.forget(req.engine_id)  # never registered: no peer hears of it
             await self._close_memory(engine)
             if isinstance(exc, RegionError):
                 raise
             raise RegionError(str(exc)) from exc
         self.by_id[req.engine_id] = engine
-        await node.ledger.commit([attach], Cause.ENGINE)
+        await self._ledger.commit([attach], Cause.ENGINE)
         self._resend_outcomes(req.engine_id)
-        await node.windows.announce()
-        log.info("engine registered", node=node.config.node, engine=req.engine_id)
+        await self._windows.announce()
+        log.info("engine registered", node=self._node, engine=req.engine_id)
         return rpc.Ok(req.id)
 
     def _open_pool(self, engine: EngineState, region: MappedRegion, n_slots: int) -> None:
@@ -183,7 +176,7 @@ class Engines:
         are released, when after_durable zeroes them; every other slot is
         zeroed now.
         """
-        engine_id, registry = engine.spec.engine_id, self.node.registry
+        engine_id, registry = engine.spec.engine_id, self._ledger.registry
         engine.offload = OffloadPool(region, n_slots, held=registry.slots_held(engine_id))
         for record in registry.live.values():
             slots = registry.offload_slots(record.request_id)
@@ -212,7 +205,7 @@ class Engines:
 
     async def _close_memory(self, engine: EngineState) -> None:
         with contextlib.suppress(Exception):
-            await self.node.dataplane.remove_local_engine(engine.spec.engine_id)
+            await self._dataplane.remove_local_engine(engine.spec.engine_id)
         for region in engine.regions.values():
             region.close()
         if engine.offload_region is not None:
@@ -238,7 +231,7 @@ class Engines:
     def own_request(
         self, session: EngineSession, request_id: str, incarnation: int
     ) -> RequestRecord:
-        record = self.node.registry.lookup(request_id, incarnation)
+        record = self._ledger.registry.lookup(request_id, incarnation)
         self.own(session, record.engine_id)
         return record
 
@@ -302,27 +295,28 @@ class Engines:
         its NIXL registrations, for as long as it ran. With live requests the
         engine stays until the last one is released (see after_durable).
         """
-        node = self.node
+        registry = self._ledger.registry
         engine = self.by_id.get(engine_id)
-        if engine is None or engine.session is not None or node.closing:
+        if engine is None or engine.session is not None or self._closing():
             return
-        if engine_id not in node.registry.engines:
+        if engine_id not in registry.engines:
             return
-        if any(r.engine_id == engine_id for r in node.registry.live.values()):
+        if any(r.engine_id == engine_id for r in registry.live.values()):
             return
-        # All three forget the engine before the first await, so a registration
+        # All four forget the engine before the first await, so a registration
         # of the same id arriving meanwhile starts afresh on every side.
         del self.by_id[engine_id]
-        detached = node.ledger.commit([node.registry.check_detach(engine_id)])
+        self._windows.forget(engine_id)
+        detached = self._ledger.commit([registry.check_detach(engine_id)])
         # Spawned now, so it runs (and drops the data plane's entry) before any
         # request read after this point can try to add the engine again.
-        node.spawn(self._unmap_detached(engine, detached))
+        self._spawn(self._unmap_detached(engine, detached))
 
     async def _unmap_detached(self, engine: EngineState, detached: Any) -> None:
         await self._close_memory(engine)
-        if not self.node.closing:
+        if not self._closing():
             # Peers forget it too (their prepared lists of it would only grow).
-            await self.node.windows.announce()
+            await self._windows.announce()
         # Nobody waits on the detach, so nothing else would commit it soon.
         await detached
 

@@ -40,6 +40,7 @@ serving while a big push is read.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Final
 
 import structlog
@@ -48,7 +49,11 @@ from daemon import failpoints
 from daemon.dataplane import digest
 from daemon.dataplane.errors import DataPlaneError
 from daemon.dataplane.geometry import blocks_nbytes
+from daemon.node.counters import IntegrityCounters
+from daemon.node.ledger import Ledger
+from daemon.node.peerport import PeerPort
 from schemas import peer as pm
+from schemas.config import IntegrityConfig
 from schemas.events import Blocks, Event, Registered
 from schemas.reasons import Reason
 from schemas.state import RequestRecord
@@ -57,8 +62,7 @@ from statemachine.integrity import digests_fit, mismatches, sampled
 from statemachine.reactions import Stimulus, Why, awaiting_data
 
 if TYPE_CHECKING:
-    from daemon.node.engines import EngineState
-    from daemon.node.runtime import Node
+    from daemon.node.engine_state import EngineState
 
 log = structlog.get_logger("kvpushd.node")
 # Checksums of more bytes than this run in a thread, not on the loop
@@ -68,10 +72,21 @@ _Key = tuple[str, int]
 
 
 class Integrity:
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        cfg = node.config.integrity
-        self.verify, self.rate = cfg.verify, cfg.sample_rate
+    def __init__(
+        self,
+        config: IntegrityConfig,
+        *,
+        ledger: Ledger,
+        engines: Mapping[str, EngineState],
+        port: PeerPort,
+        max_frame_bytes: int,
+    ) -> None:
+        self._ledger = ledger
+        self._engines = engines
+        self._port = port
+        self._max_frame_bytes = max_frame_bytes
+        self.verify, self.rate = config.verify, config.sample_rate
+        self.counters = IntegrityCounters()
         # Receiver: the pusher's digests of requests still awaiting data, and
         # the requests whose data landed before their digests did.
         self.expected: dict[_Key, pm.Digests] = {}
@@ -80,16 +95,6 @@ class Integrity:
         # may both ask while a large check runs in its thread; the second
         # waits for the first instead of reading the blocks again.
         self.running: dict[_Key, asyncio.Future[None]] = {}
-        for name in (
-            "integrity_checked",
-            "integrity_blocks_verified",
-            "integrity_mismatches",
-            "integrity_unchecked",
-            "integrity_digests_sent",
-            "integrity_slots_checked",
-            "integrity_dirty_slots",
-        ):
-            node.counters[name] = 0
 
     def checks(self, request_id: str) -> bool:
         return sampled(request_id, self.verify, self.rate)
@@ -116,14 +121,13 @@ class Integrity:
         pool = engine.offload
         if not event.offload_slots or pool is None or not self.checks(event.request_id):
             return
-        node = self.node
-        node.counters["integrity_slots_checked"] += len(event.offload_slots)
+        self.counters.integrity_slots_checked += len(event.offload_slots)
         dirty = [slot for slot in event.offload_slots if pool.slot_view(slot).any()]
         if not dirty:
             return
         for slot in dirty:  # free (the core never grants a busy one): nobody's data
             pool.slot_view(slot).fill(0)
-        node.counters["integrity_dirty_slots"] += len(dirty)
+        self.counters.integrity_dirty_slots += len(dirty)
         log.error(
             "offload slots not zero at grant",
             request_id=event.request_id,
@@ -146,23 +150,23 @@ class Integrity:
         """
         if not self.checks(record.request_id):
             return None
-        engine = self.node.engines.by_id.get(record.engine_id)
+        engine = self._engines.get(record.engine_id)
         assert record.src is not None and record.dst is not None
         if engine is None:
             raise DataPlaneError(f"engine {record.engine_id} is gone", code="unknown_engine")
         algorithm, data = digest.algorithm_for(engine.spec, engine.regions), b""
         layers = [len(g.layers) for g in engine.spec.groups]
-        if not digests_fit(record.src, layers, self.node.config.limits.max_frame_bytes):
+        if not digests_fit(record.src, layers, self._max_frame_bytes):
             algorithm = digest.UNCHECKED  # one frame cannot carry them: unchecked, not failed
-            self.node.counters["integrity_unchecked"] += 1
+            self.counters.integrity_unchecked += 1
         if algorithm != digest.UNCHECKED:
             data = await self._digests(engine, record.src, algorithm)
         return pm.Digests(record.request_id, record.incarnation, algorithm, data, record.dst)
 
     def send(self, record: RequestRecord, message: pm.Digests | None) -> None:
         """Pusher: ``write_started`` is durable; the receiver's daemon gets the digests."""
-        if message is not None and self.node.peers.tell_peer(record.peer, message):
-            self.node.counters["integrity_digests_sent"] += 1
+        if message is not None and self._port.tell(record.peer, message):
+            self.counters.integrity_digests_sent += 1
 
     def wire_src(self, record: RequestRecord) -> Blocks:
         """The source blocks handed to NIXL: the trimmed ``src``, unless the
@@ -179,14 +183,14 @@ class Integrity:
     async def on_digests(self, message: pm.Digests) -> None:
         """Receiver: the pusher's digests; check now if the data already landed."""
         key = (message.request_id, message.incarnation)
-        record = self.node.current(*key)
+        record = self._ledger.current(*key)
         if record is None or not awaiting_data(record):
             return
         self.expected[key] = message
         if key in self.waiting:
             current = await self._verified(record, final=False)
             if current is not None:
-                await self.node.react(current, Stimulus.DATA_LANDED, failpoint="node.kv_arrived")
+                await self._ledger.react(current, Stimulus.DATA_LANDED, failpoint="node.kv_arrived")
 
     async def landed(self, record: RequestRecord, *, final: bool) -> RequestRecord | None:
         """Receiver: the data of ``record`` landed (``final``: the pusher said so).
@@ -197,7 +201,7 @@ class Integrity:
         if not awaiting_data(record):
             return record
         key = (record.request_id, record.incarnation)
-        engine = self.node.engines.by_id.get(record.engine_id)
+        engine = self._engines.get(record.engine_id)
         first = key not in self.waiting  # not a data landing already waiting for digests
         if first and engine is not None and failpoints.corrupts("integrity.flip_dst"):
             group = next(g for g, ids in enumerate(record.blocks) if ids)
@@ -205,9 +209,9 @@ class Integrity:
         return await self._verified(record, final=final)
 
     async def _verified(self, record: RequestRecord, *, final: bool) -> RequestRecord | None:
-        node = self.node
+        ledger = self._ledger
         key = (record.request_id, record.incarnation)
-        engine = node.engines.by_id.get(record.engine_id)
+        engine = self._engines.get(record.engine_id)
         if not self.checks(record.request_id) or not any(record.blocks):
             return record  # not checked, or nothing to check (a full prefix hit)
         message = self.expected.get(key)
@@ -220,22 +224,22 @@ class Integrity:
                 "checked for integrity, but the pusher's digests never came "
                 "(do both daemons have the same [integrity] setting?)",
             )
-            await node.react(record, Stimulus.FAILURE, why)
-            return node.current(*key)
+            await ledger.react(record, Stimulus.FAILURE, why)
+            return ledger.current(*key)
         self.waiting.discard(key)
         if engine is None:
             return record  # gone: the engine hears nothing either way
         running = self.running.get(key)
         if running is not None:
             await running  # the other check failed the request, or found it equal
-            return node.current(*key)
+            return ledger.current(*key)
         self.running[key] = done = asyncio.get_running_loop().create_future()
         try:
             found = await self._compare(engine, record, message)
-            current = node.current(*key)
+            current = ledger.current(*key)
             if found is None or current is None:
                 return current
-            node.counters["integrity_mismatches"] += 1
+            self.counters.integrity_mismatches += 1
             log.warning(
                 "integrity mismatch",
                 request_id=record.request_id,
@@ -243,8 +247,8 @@ class Integrity:
                 blocks=len(found.blocks),
                 checked=found.num_blocks,
             )
-            await node.react(current, Stimulus.INTEGRITY_MISMATCH, found)
-            return node.current(*key)
+            await ledger.react(current, Stimulus.INTEGRITY_MISMATCH, found)
+            return ledger.current(*key)
         finally:
             del self.running[key]
             done.set_result(None)
@@ -253,7 +257,7 @@ class Integrity:
         self, engine: EngineState, record: RequestRecord, message: pm.Digests
     ) -> Why | None:
         """None if equal (or nothing can be compared), else the mismatch."""
-        node = self.node
+        counters = self.counters
         layers = [len(g.layers) for g in engine.spec.groups]
         dst = message.dst
         owned = len(dst) == len(record.blocks) and all(
@@ -265,14 +269,14 @@ class Integrity:
             every = tuple(mismatches(b"", b"", dst, layers))
             return Why(Reason.INTEGRITY_MISMATCH, text, 0, 0, every)
         if not digest.can_compute(engine.spec, engine.regions, message.algorithm):
-            node.counters["integrity_unchecked"] += 1
+            counters.integrity_unchecked += 1
             return None
         actual = await self._digests(engine, dst, message.algorithm)
-        node.counters["integrity_checked"] += 1
+        counters.integrity_checked += 1
         listed = mismatches(message.digests, actual, dst, layers)
         checked = len(actual) // 4
         if not listed:
-            node.counters["integrity_blocks_verified"] += checked
+            counters.integrity_blocks_verified += checked
             return None
         first = ", ".join(f"g{g}/l{layer}/b{b}" for g, layer, b in listed[:4])
         text = f"{len(listed)} of {checked} blocks differ from the pusher's ({first})"

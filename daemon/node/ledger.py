@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Iterable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import structlog
@@ -30,11 +31,19 @@ from daemon.journal.replay import encode_snapshot
 from daemon.journal.writer import Journal
 from schemas import peer as pm
 from schemas import rpc
-from schemas.events import FORMAT_VERSION, Event, Failed, Record, Refused, encode_record
+from schemas.events import (
+    FORMAT_VERSION,
+    Event,
+    Failed,
+    Record,
+    Refused,
+    RequestEvent,
+    encode_record,
+)
 from schemas.state import RequestRecord
 from statemachine import Registry
 from statemachine.notices import TOLD_OF, Notice, notices
-from statemachine.reactions import Cause, release_may_be_due
+from statemachine.reactions import Cause, Stimulus, Why, react, release_may_be_due
 
 log = structlog.get_logger("kvpushd.node")
 # Events logged at info or above whatever the level (the rest only at debug).
@@ -47,6 +56,14 @@ class Courier(Protocol):
     def tell_engine(self, engine_id: str, message: rpc.Event) -> None: ...
 
     def tell_peer(self, node: str, message: pm.PeerMessage) -> bool: ...
+
+
+@dataclass(frozen=True)
+class Carriers:
+    """A courier made of the two parts that carry: the engines and the peer port."""
+
+    tell_engine: Callable[[str, rpc.Event], None]
+    tell_peer: Callable[[str, pm.PeerMessage], bool]
 
 
 Observer = Callable[[Event, object, float], None]
@@ -100,7 +117,7 @@ class Ledger:
         # Per event type, run once such a record is durable, before its notices
         # go out (released offload slots go back to the pool only then).
         self.after_durable: dict[type, list[AfterDurable]] = {}
-        self._clock = clock
+        self.clock = clock
         self._snapshot_every = snapshot_every
         self._retain = retain_segments
         self._since_snapshot = 0
@@ -108,6 +125,34 @@ class Ledger:
         self._debug = debug
         self._on_fatal = on_fatal
         self._log = log.bind(node=node)
+
+    # ------------------------------------------------------------- reading
+
+    def current(self, request_id: str, incarnation: int) -> RequestRecord | None:
+        """The live record of exactly this incarnation, if any (after an await, say)."""
+        record = self.registry.get(request_id)
+        if record is None or record.incarnation != incarnation:
+            return None
+        return record
+
+    # ------------------------------------------------------------- reacting
+
+    async def react(
+        self,
+        record: RequestRecord,
+        stimulus: Stimulus,
+        why: Why | None = None,
+        *,
+        failpoint: str | None = None,
+    ) -> list[RequestEvent]:
+        """Commit what the core says ``stimulus`` calls for (and what follows it).
+
+        Returns the events the stimulus called for (none: nothing to journal).
+        """
+        events = react(record, stimulus, why)
+        if events:
+            await self.commit(events, stimulus.cause, failpoint=failpoint)
+        return events
 
     # ------------------------------------------------------------ appending
 
@@ -118,7 +163,7 @@ class Ledger:
         is neither applied nor journaled; so is one too large to journal
         (``ValueError``).
         """
-        record = Record(FORMAT_VERSION, self.node, self.journal.next_seq, self._clock(), event)
+        record = Record(FORMAT_VERSION, self.node, self.journal.next_seq, self.clock(), event)
         payload = encode_record(record)
         # Refuse what the journal would refuse before the registry moves: a
         # change in memory without its record would be lost on replay. (An

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import structlog
@@ -37,8 +37,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from daemon.node.runtime import Node
-from daemon.version import VERSION
+from daemon.journal.groupcommit import GroupCommit
 from schemas.events import (
     DaemonStarted,
     Event,
@@ -52,6 +51,7 @@ from schemas.events import (
 from schemas.layout import Role
 from schemas.reasons import FAILURE_REASONS, REFUSAL_REASONS, Reason
 from schemas.state import RequestRecord, State
+from schemas.status import StatusDocument
 
 log = structlog.get_logger("kvpushd.metrics")
 
@@ -112,10 +112,20 @@ def _event_tag(kind: type) -> str:
 
 
 class NodeMetrics:
-    """The node's metrics: attach before ``Node.start()``, serve after it."""
+    """The node's metrics: observe the ledger from before ``Node.begin()``, serve after it.
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    ``status`` is the node's status document, read at scrape time for the
+    gauges; ``live`` its live records, read once the restart is journaled.
+    The owner adds :meth:`observe` to the node's observers.
+    """
+
+    def __init__(
+        self,
+        *,
+        status: Callable[[], StatusDocument],
+        live: Callable[[], Iterable[RequestRecord]],
+    ) -> None:
+        self._live = live
         self.registry = CollectorRegistry()
         self._in_state: dict[str, _InState] = {}
         self._writes: dict[str, _Write] = {}
@@ -124,13 +134,10 @@ class NodeMetrics:
         # switch is process-wide, which is fine: the daemon owns its process.
         disable_created_metrics()
         self._build()
-        self.registry.register(_NodeCollector(node))
+        self.registry.register(_NodeCollector(status))
         # Unprefixed: dashboards and alerts expect the standard process_* names,
         # and its process_start_time_seconds is the one start-time metric.
         ProcessCollector(registry=self.registry)
-        # Attached before start() so replay-time events (restart failures,
-        # detaches) are counted like any other.
-        node.observers.append(self.observe)
 
     # ---------------------------------------------------------- instruments
 
@@ -190,7 +197,7 @@ class NodeMetrics:
         if isinstance(event, DaemonStarted):
             # Recorded right after replay, before any request event: the
             # registry now holds exactly what the journal restored.
-            self._seed(self.node.registry.live.values())
+            self._seed(self._live())
         elif isinstance(event, Refused):
             self._refusals[event.reason].inc()
         if isinstance(event, Failed):
@@ -244,11 +251,9 @@ class NodeMetrics:
         """``GroupCommit`` hook: one commit (write + fdatasync per policy)."""
         self.fsync_seconds.observe(seconds)
 
-    def hook_group_commit(self) -> None:
-        """Observe the node's group commit (it exists once the node started)."""
-        commit = self.node.group
-        assert commit is not None, "hook_group_commit() needs a started node"
-        commit.observers.append(self.on_commit)
+    def hook_group_commit(self, group: GroupCommit) -> None:
+        """Observe the node's group commit (it exists once the node is open)."""
+        group.observers.append(self.on_commit)
 
     # ------------------------------------------------------------- serving
 
@@ -316,58 +321,51 @@ def _http(
 
 
 class _NodeCollector(Collector):
-    """Gauges computed from the node at scrape time, so they are always exact."""
+    """Gauges read from the status document at scrape time: never apart from ``status``."""
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(self, status: Callable[[], StatusDocument]) -> None:
+        self._status = status
 
     def collect(self) -> Iterable[Metric]:
-        yield from self._identity()
-        yield from self._requests()
-        yield from self._peers()
-        yield from self._journal()
-        yield from self._engines()
+        doc = self._status()
+        yield from self._identity(doc)
+        yield from self._requests(doc)
+        yield from self._peers(doc)
+        yield from self._journal(doc)
+        yield from self._engines(doc)
 
     def _gauge(self, name: str, doc: str, value: float | None = None) -> GaugeMetricFamily:
         return GaugeMetricFamily(f"{NAMESPACE}_{name}", doc, value=value)
 
-    def _identity(self) -> Iterable[Metric]:
-        node = self.node
+    def _identity(self, doc: StatusDocument) -> Iterable[Metric]:
         info = GaugeMetricFamily(
             f"{NAMESPACE}_node_info",
             "Always 1; the labels say which daemon.",
             labels=["node", "version", "boot_id"],
         )
-        info.add_metric([node.config.node, VERSION, node.boot_id], 1)
+        info.add_metric([doc.node, doc.version, doc.boot_id], 1)
         yield info
 
-    def _requests(self) -> Iterable[Metric]:
-        node = self.node
-        counts = dict.fromkeys(LIVE_STATES, 0)
-        oldest: float | None = None
-        for record in node.registry.live.values():
-            counts[record.state] += 1
-            if oldest is None or record.entered_at < oldest:
-                oldest = record.entered_at
+    def _requests(self, doc: StatusDocument) -> Iterable[Metric]:
         live = GaugeMetricFamily(
             f"{NAMESPACE}_live_requests", "Live requests by state.", labels=["state"]
         )
-        for state, n in counts.items():
-            live.add_metric([state.value], n)
+        for state in LIVE_STATES:
+            live.add_metric([state.value], doc.by_state.get(state.value, 0))
         yield live
-        age = 0.0 if oldest is None else max(0.0, node.clock() - oldest)
+        age = 0.0 if doc.oldest is None else max(0.0, doc.oldest.age_s)
         yield self._gauge(
             "oldest_live_request_age_seconds", "Time the oldest live request is in its state.", age
         )
         yield self._gauge(
             "pending_peer_registrations",
             "Receiver registrations waiting for the prefill engine.",
-            len(node.registry.pending),
+            doc.pending_peer_registrations,
         )
-        yield self._gauge("writes_in_flight", "NIXL writes in flight.", len(node.writes))
+        yield self._gauge("writes_in_flight", "NIXL writes in flight.", doc.writes_in_flight)
 
-    def _peers(self) -> Iterable[Metric]:
-        links = self.node.links.links if self.node.links is not None else ()
+    def _peers(self, doc: StatusDocument) -> Iterable[Metric]:
+        links = doc.peers
         configured = sum(not i.on_demand for i in links)
         yield self._gauge("peers_configured", "Configured peers.", configured)
         yield self._gauge("peers_up", "Peers with an authenticated link.", sum(i.up for i in links))
@@ -384,23 +382,19 @@ class _NodeCollector(Collector):
         yield up
         yield heard
 
-    def _journal(self) -> Iterable[Metric]:
-        journal = self.node.journal
-        next_seq = journal.next_seq if journal is not None else 0
-        durable = journal.durable_seq if journal is not None else 0
-        yield self._gauge("journal_next_seq", "Seq the next journal record gets.", next_seq)
-        yield self._gauge("journal_durable_seq", "Last durable journal seq.", durable)
+    def _journal(self, doc: StatusDocument) -> Iterable[Metric]:
+        journal = doc.journal
+        yield self._gauge("journal_next_seq", "Seq the next journal record gets.", journal.next_seq)
+        yield self._gauge("journal_durable_seq", "Last durable journal seq.", journal.durable_seq)
         yield self._gauge(
-            "journal_lag_records",
-            "Records appended but not yet durable.",
-            max(0, next_seq - 1 - durable) if journal is not None else 0,
+            "journal_lag_records", "Records appended but not yet durable.", max(0, journal.lag)
         )
 
-    def _engines(self) -> Iterable[Metric]:
-        engines = self.node.engines.by_id.values()
+    def _engines(self, doc: StatusDocument) -> Iterable[Metric]:
+        engines = doc.engines.values()
         yield self._gauge("engines_registered", "Engines registered.", len(engines))
         yield self._gauge(
             "engines_connected",
             "Registered engines with a live connection.",
-            sum(e.session is not None for e in engines),
+            sum(e.connected for e in engines),
         )

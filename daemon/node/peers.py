@@ -19,15 +19,21 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Awaitable, Callable, Hashable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from daemon.dataplane.plane import DataPlaneError
-from daemon.node.peerauth import PeerRejected, PeerUnreachable
+from daemon.dataplane.plane import DataPlane, DataPlaneError
+from daemon.node.integrity import Integrity
+from daemon.node.ledger import Ledger
+from daemon.node.peerauth import PeerRejected
+from daemon.node.peerport import PeerPort
+from daemon.node.peerstate import PeerState
 from daemon.node.serializer import KeyedSerializer
+from daemon.node.tasks import Spawn
+from daemon.node.transfers import Transfers
+from daemon.node.windows import Windows
 from schemas import peer as pm
 from schemas.kvlayout import RemoteEngine, model_signature
 from schemas.layout import Role
@@ -37,57 +43,49 @@ from statemachine.notices import final_word, forward_known, no_write_here, on_pe
 from statemachine.reactions import Cause, Stimulus, Why, react, react_pending
 
 if TYPE_CHECKING:
-    from daemon.node.runtime import Node
+    from daemon.node.engine_state import EngineState
 
 log = structlog.get_logger("kvpushd.node")
 PUSHER, RECEIVER = Role.PUSHER, Role.RECEIVER
 
 
-@dataclass
-class PeerState:
-    agent_name: str = ""
-    boot_id: str = ""
-    engines: dict[str, RemoteEngine] = field(default_factory=dict)
-
-
 class Peers:
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        self.states: dict[str, PeerState] = {}
-        self._order = KeyedSerializer(node.spawn)
+    def __init__(
+        self,
+        *,
+        ledger: Ledger,
+        dataplane: DataPlane,
+        port: PeerPort,
+        windows: Windows,
+        transfers: Transfers,
+        integrity: Integrity,
+        engines: Mapping[str, EngineState],
+        states: dict[str, PeerState],
+        spawn: Spawn,
+        stopping: Callable[[], bool],
+    ) -> None:
+        self._ledger = ledger
+        self._dataplane = dataplane
+        self._port = port
+        self._windows = windows
+        self._transfers = transfers
+        self._integrity = integrity
+        self._engines = engines
+        self._stopping = stopping
+        # Shared, read-only, with the transfers (the agent a WRITE goes to).
+        self.states = states
+        self._order = KeyedSerializer(spawn)
         # Registrations waiting for an on-demand link: it counts as in use.
         self._linking: collections.Counter[str] = collections.Counter()
 
-    def tell_peer(self, node: str, message: pm.PeerMessage) -> bool:
-        links = self.node.links
-        return links is not None and bool(links.send(node, message))
-
-    def is_up(self, node: str) -> bool:
-        links = self.node.links
-        return links is not None and links.is_up(node)
-
-    def is_configured(self, node: str) -> bool:
-        return any(peer.node == node for peer in self.node.config.peers)
-
     # ------------------------------------------------------------- on demand
-
-    def wants_windows(self, node: str) -> bool:
-        """Whether ``node`` should have windows here: configured, or linked now."""
-        return self.is_configured(node) or self.is_up(node)
-
-    def window_peers(self) -> list[str]:
-        """The peers a newly registered engine opens windows for."""
-        configured = [peer.node for peer in self.node.config.peers]
-        links = self.node.links
-        linked = [i.node for i in links.links if i.on_demand and i.up] if links is not None else []
-        return configured + linked
 
     def in_use(self, node: str) -> bool:
         """Whether a live request or a registration in progress still needs ``node``.
 
         The peer manager asks this before closing an on-demand link as idle.
         """
-        registry = self.node.registry
+        registry = self._ledger.registry
         return (
             self._linking[node] > 0
             or any(record.peer == node for record in registry.live.values())
@@ -101,25 +99,14 @@ class Peers:
         open and announced to it; raises ``Refusal(peer_unreachable)`` if no
         authenticated link came up within ``peer_connect_timeout_s``.
         """
-        links = self.node.links
-        if links is None:
-            raise Refusal(
-                Reason.PEER_UNREACHABLE,
-                f"peer {node!r} at {address}: this daemon has no peer link "
-                "(no listen address, peers or secret_file)",
-            )
         self._linking[node] += 1
         try:
-            try:
-                await links.connect(node, address)
-            except PeerUnreachable as exc:
-                raise Refusal(Reason.PEER_UNREACHABLE, str(exc)) from None
+            await self._port.connect(node, address)
             # Behind the link's up handling (peer_up: its agent, our windows).
             await self._order.submit(_nothing(), ("peer", node))
-            own = self.node
-            if any(node not in e.windows for e in own.engines.by_id.values()):
+            if self._windows.lacks(node):
                 # An engine registered while the link came up: windows for it too.
-                await own.windows.rewindow(node)
+                await self._windows.rewindow(node)
         finally:
             self._linking[node] -= 1
             if not self._linking[node]:
@@ -132,7 +119,7 @@ class Peers:
         self._order.submit(self.peer_up(node, hello), ("peer", node))
 
     def on_down(self, node: str, reason: str) -> None:
-        if self.node.stopping:
+        if self._stopping():
             # Shutting down: what is live stays in the journal and fails as
             # "daemon restart" on the next start; journaling now would race
             # the close of the journal.
@@ -148,7 +135,7 @@ class Peers:
 
     def check_hello(self, node: str, hello: pm.Hello) -> None:
         """Refuse a peering whose engines cannot exchange KV with ours."""
-        local = {model_signature(e.spec.groups) for e in self.node.engines.by_id.values()}
+        local = {model_signature(e.spec.groups) for e in self._engines.values()}
         for engine in hello.engines:
             signature = model_signature(engine.groups)
             if local and signature not in local:
@@ -159,7 +146,7 @@ class Peers:
                 )
 
     async def peer_up(self, node: str, hello: pm.Hello) -> None:
-        dataplane = self.node.dataplane
+        dataplane = self._dataplane
         state = self.states.setdefault(node, PeerState())
         if state.agent_name and state.agent_name != hello.agent_name:
             with contextlib.suppress(Exception):
@@ -175,20 +162,20 @@ class Peers:
             state.engines[engine.engine_id] = engine
         # The link's own "peer_up" line (peerlink) is the one an operator reads.
         log.debug("peer_engines", peer=node, engines=len(hello.engines))
-        if not self.is_configured(node):
+        if not self._port.is_configured(node):
             # On demand: no windows until now. Open them and tell the peer
             # (Engines), before anything said about a request on this link.
-            await self.node.windows.rewindow(node)
+            await self._windows.rewindow(node)
         self._reconcile(node)
 
     def _reconcile(self, node: str) -> None:
         """After (re)connecting, say again what the peer may have missed."""
-        registry = self.node.registry
+        registry = self._ledger.registry
         for record in list(registry.live.values()):
             if record.peer != node:
                 continue
             for message in on_peer_back(record, registry.engines.get(record.engine_id)):
-                self.tell_peer(node, message)
+                self._port.tell(node, message)
 
     async def peer_engines(
         self, node: str, engines: tuple[RemoteEngine, ...], metadata: bytes
@@ -196,7 +183,7 @@ class Peers:
         state = self.states.get(node)
         if state is None or not state.agent_name:
             return
-        dataplane = self.node.dataplane
+        dataplane = self._dataplane
         state.agent_name = await dataplane.add_remote_agent(metadata)
         for engine in engines:
             known = state.engines.get(engine.engine_id)
@@ -213,28 +200,45 @@ class Peers:
             with contextlib.suppress(DataPlaneError):
                 await dataplane.remove_remote_engine(state.agent_name, engine_id)
 
+    async def fence(self, node: str, *, close_link: str = "") -> None:
+        """Make sure nothing more moves between ``node`` and this daemon's memory.
+
+        Closes its link first when ``close_link`` says why (a quarantine
+        deadline: the link may still be up), forgets its agent (nothing more
+        is posted to it) and revokes its windows (daemon/node/windows.py).
+        Only after this may the blocks it could write be handed back;
+        :meth:`Windows.rewindow` then gives it fresh windows.
+        """
+        if close_link:
+            self._port.close(node, "fenced", close_link)
+        state = self.states.get(node)
+        if state is not None and state.agent_name:
+            with contextlib.suppress(Exception):
+                await self._dataplane.remove_remote_agent(state.agent_name)
+            state.agent_name = ""
+        await self._windows.revoke(node)
+
     async def peer_down(self, node: str, reason: str) -> None:
         """A peer is dead (TTL, disconnect): fence it, fail what depended on it."""
-        own = self.node
-        await own.windows.fence(node)
+        ledger = self._ledger
+        registry = ledger.registry
+        await self.fence(node)
         why = Why(Reason.PEER_DEAD, f"peer {node} is dead ({reason})")
-        for listed in list(own.registry.live.values()):
+        for listed in list(registry.live.values()):
             # Each await below lets other handlers (an engine's release, say)
             # move records on: act on the record as it is now, not as listed.
-            record = own.registry.get(listed.request_id)
+            record = registry.get(listed.request_id)
             if record is None or record.incarnation != listed.incarnation or record.peer != node:
                 continue
-            await own.react(record, Stimulus.PEER_DEAD, why)
-        for pending in list(own.registry.pending.values()):
+            await ledger.react(record, Stimulus.PEER_DEAD, why)
+        for pending in list(registry.pending.values()):
             reg = pending.registration
-            if own.registry.pending.get(reg.request_id) is not pending or reg.peer != node:
+            if registry.pending.get(reg.request_id) is not pending or reg.peer != node:
                 continue  # joined by its engine or failed meanwhile, or someone else's
-            await own.ledger.commit(
-                react_pending(pending, Stimulus.PEER_DEAD, why), Cause.PEER_DEAD
-            )
+            await ledger.commit(react_pending(pending, Stimulus.PEER_DEAD, why), Cause.PEER_DEAD)
         # A configured peer gets fresh windows for its next link; one on demand
         # gets them when (if) it links again.
-        await own.windows.rewindow(node)
+        await self._windows.rewindow(node)
 
     # ------------------------------------------------------------- messages
 
@@ -254,14 +258,14 @@ class Peers:
             )
 
     async def _on_forward(self, node: str, msg: pm.Forward) -> None:
-        own = self.node
-        if forward_known(own.registry.get(msg.request_id), msg):
+        ledger = self._ledger
+        if forward_known(ledger.registry.get(msg.request_id), msg):
             return  # a re-sent forward after reconnecting: already known
-        pending = own.registry.pending.get(msg.request_id)
+        pending = ledger.registry.pending.get(msg.request_id)
         if pending is not None and pending.registration.blocks == msg.blocks:
             return
         try:
-            event = own.registry.check_peer_registration(
+            event = ledger.registry.check_peer_registration(
                 msg.request_id,
                 msg.incarnation,
                 node,
@@ -272,43 +276,42 @@ class Peers:
                 msg.content,
             )
         except Refusal as refusal:
-            own.counters["refusals"] += 1
             refused = refusal.journaled(msg.request_id, msg.incarnation, msg.engine_id)
-            await own.ledger.commit([refused], Cause.PEER, peer=node)
+            await ledger.commit([refused], Cause.PEER, peer=node)
             return
-        await own.ledger.commit([event], Cause.PEER)
-        await own.transfers.advance(msg.request_id)
+        await ledger.commit([event], Cause.PEER)
+        await self._transfers.advance(msg.request_id)
 
     async def _on_cancel(self, node: str, msg: pm.Cancel) -> None:
-        own = self.node
-        record = own.registry.get(msg.request_id)
+        ledger = self._ledger
+        record = ledger.registry.get(msg.request_id)
         if record is None or record.incarnation != msg.incarnation:
-            pending = own.registry.pending.get(msg.request_id)
+            pending = ledger.registry.pending.get(msg.request_id)
             if pending is not None and pending.registration.incarnation == msg.incarnation:
-                await own.ledger.commit(react_pending(pending, Stimulus.PEER_CANCEL), Cause.PEER)
+                await ledger.commit(react_pending(pending, Stimulus.PEER_CANCEL), Cause.PEER)
             else:
-                self.tell_peer(node, no_write_here(msg))
+                self._port.tell(node, no_write_here(msg))
             return
         # Invariant 2: never start a write the receiver has cancelled. Once
         # the request ended, the receiver gets the final word again.
         events = react(record, Stimulus.PEER_CANCEL)
         if events:
-            await own.ledger.commit(events, Cause.PEER)
+            await ledger.commit(events, Cause.PEER)
         else:
             for message in final_word(record):
-                self.tell_peer(node, message)
+                self._port.tell(node, message)
 
     async def _on_hold(self, node: str, msg: pm.Hold) -> None:
         # The decode side's queue holds the request: the push waits longer
         # for its receiver. A hold for a request not (or no longer) waiting
         # changes nothing: the decode side holds again while it queues.
-        own = self.node
-        record = own.registry.get(msg.request_id)
+        ledger = self._ledger
+        record = ledger.registry.get(msg.request_id)
         if record is None or record.incarnation != msg.incarnation:
             return
-        held = own.registry.check_hold(record, own.clock())
+        held = ledger.registry.check_hold(record, ledger.clock())
         if held is not None:
-            await own.ledger.commit([held], Cause.PEER, peer=node)
+            await ledger.commit([held], Cause.PEER, peer=node)
 
     async def _on_writing(self, node: str, msg: pm.Writing) -> None:
         await self._receiver_hears(
@@ -319,13 +322,13 @@ class Peers:
         )
 
     async def _on_write_done(self, node: str, msg: pm.WriteDone) -> None:
-        record = self.node.current(msg.request_id, msg.incarnation)
-        if record is not None and await self.node.integrity.landed(record, final=True) is None:
+        record = self._ledger.current(msg.request_id, msg.incarnation)
+        if record is not None and await self._integrity.landed(record, final=True) is None:
             return
         await self._receiver_hears(msg.request_id, msg.incarnation, Stimulus.PEER_WRITE_DONE)
 
     async def _on_digests(self, node: str, msg: pm.Digests) -> None:
-        await self.node.integrity.on_digests(msg)
+        await self._integrity.on_digests(msg)
 
     async def _on_write_failed(self, node: str, msg: pm.WriteFailed) -> None:
         # "Cancelled by peer" from the pusher means it refused our request.
@@ -339,9 +342,9 @@ class Peers:
         self, request_id: str, incarnation: int, stimulus: Stimulus, why: Why | None = None
     ) -> None:
         # The table has rows for receivers only: a pusher's record ignores these.
-        record = self.node.current(request_id, incarnation)
+        record = self._ledger.current(request_id, incarnation)
         if record is not None:
-            await self.node.react(record, stimulus, why)
+            await self._ledger.react(record, stimulus, why)
 
     async def _on_engines(self, node: str, msg: pm.Engines) -> None:
         await self.peer_engines(node, msg.engines, msg.agent_metadata)

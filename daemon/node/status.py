@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import msgspec
 
+from daemon.dataplane.plane import DataPlane
+from daemon.journal.writer import Journal
+from daemon.node.peerlink import LinkInfo
 from schemas.state import RequestRecord
 from schemas.status import (
     DataPlaneCounters,
@@ -17,34 +21,48 @@ from schemas.status import (
     RequestLine,
     StatusDocument,
 )
+from statemachine import Registry
 
 if TYPE_CHECKING:
-    from daemon.node.runtime import Node
+    from daemon.node.engine_state import EngineState
 
 # Requests listed one by one, oldest first; the counts cover all of them.
 MAX_LISTED = 200
 
 
-def status_document(node: Node, version: str) -> StatusDocument:
-    now = node.clock()
-    live = list(node.registry.live.values())
+def status_document(
+    *,
+    node: str,
+    version: str,
+    boot_id: str,
+    now: float,
+    started_at: float,
+    registry: Registry,
+    engines: Mapping[str, EngineState],
+    links: Iterable[LinkInfo],
+    journal_dir: str,
+    journal: Journal | None,
+    counters: dict[str, int],
+    peer_engines: dict[str, list[str]],
+    dataplane: DataPlane,
+    writes_in_flight: int,
+    metrics_port: int | None,
+) -> StatusDocument:
+    live = list(registry.live.values())
     by_state: dict[str, int] = {}
     for record in live:
         by_state[record.state.value] = by_state.get(record.state.value, 0) + 1
     listed = sorted(live, key=lambda r: r.entered_at)
     oldest = _oldest(listed[0], now) if listed else None
-    journal = node.journal
-    links = node.links
-    dataplane = node.dataplane
     return StatusDocument(
-        node=node.config.node,
+        node=node,
         version=version,
-        boot_id=node.boot_id,
+        boot_id=boot_id,
         pid=os.getpid(),
-        uptime_s=round(now - node.started_at, 3),
+        uptime_s=round(now - started_at, 3),
         live=len(live),
         by_state=by_state,
-        pending_peer_registrations=len(node.registry.pending),
+        pending_peer_registrations=len(registry.pending),
         oldest=oldest,
         requests=[_line(r, now) for r in listed[:MAX_LISTED]],
         engines={
@@ -55,27 +73,25 @@ def status_document(node: Node, version: str) -> StatusDocument:
                 offload_free=None if e.offload is None else e.offload.free_count,
                 fingerprint=e.spec.fingerprint,
             )
-            for engine_id, e in node.engines.by_id.items()
+            for engine_id, e in engines.items()
         },
-        peers=[PeerLine(**msgspec.structs.asdict(info)) for info in links.links]
-        if links is not None
-        else [],
+        peers=[PeerLine(**msgspec.structs.asdict(info)) for info in links],
         journal=JournalLine(
-            dir=str(node.config.journal.dir),
+            dir=journal_dir,
             next_seq=journal.next_seq if journal else 0,
             durable_seq=journal.durable_seq if journal else 0,
             lag=(journal.next_seq - 1 - journal.durable_seq) if journal else 0,
         ),
-        counters=dict(node.counters),
-        peer_engines={peer: sorted(p.engines) for peer, p in node.peers.states.items()},
+        counters=counters,
+        peer_engines=peer_engines,
         dataplane=DataPlaneCounters(
             writes=dataplane.writes,
             write_errors=dataplane.write_errors,
             writes_cancelled=dataplane.writes_cancelled,
             bytes_written=dataplane.bytes_written,
         ),
-        writes_in_flight=len(node.writes),
-        metrics_port=node.metrics_port,
+        writes_in_flight=writes_in_flight,
+        metrics_port=metrics_port,
     )
 
 

@@ -12,12 +12,18 @@ change owes to whom is the core's (statemachine/notices.py).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import structlog
 
 from daemon.dataplane.geometry import blocks_nbytes
-from daemon.dataplane.plane import DataPlaneError, WriteResult
+from daemon.dataplane.plane import DataPlane, DataPlaneError, WriteResult
+from daemon.node.counters import WriteCounters
+from daemon.node.integrity import Integrity
+from daemon.node.ledger import Commit, Ledger
+from daemon.node.peerport import PeerPort
+from daemon.node.tasks import Spawn
 from schemas.events import Event, WriteStarted
 from schemas.layout import Role
 from schemas.reasons import Reason
@@ -33,8 +39,8 @@ from statemachine.reactions import (
 )
 
 if TYPE_CHECKING:
-    from daemon.node.ledger import Commit
-    from daemon.node.runtime import Node
+    from daemon.node.engine_state import EngineState
+    from daemon.node.peerstate import PeerState
 
 log = structlog.get_logger("kvpushd.node")
 PUSHER, RECEIVER = Role.PUSHER, Role.RECEIVER
@@ -57,8 +63,25 @@ class PeerGone(Exception):
 
 
 class Transfers:
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(
+        self,
+        *,
+        ledger: Ledger,
+        dataplane: DataPlane,
+        engines: Mapping[str, EngineState],
+        agents: Mapping[str, PeerState],
+        port: PeerPort,
+        integrity: Integrity,
+        spawn: Spawn,
+    ) -> None:
+        self._ledger = ledger
+        self._dataplane = dataplane
+        self._engines = engines
+        self._agents = agents  # the peers' NIXL agents, as the peers module keeps them
+        self._port = port
+        self._integrity = integrity
+        self._spawn = spawn
+        self.counters = WriteCounters()
         self.writes: dict[str, asyncio.Task[None]] = {}
         # Receivers waiting for data: the data plane polls for notifications
         # only while there is one.
@@ -74,71 +97,69 @@ class Transfers:
         else:
             self.awaiting.discard(touched.request_id)
         if had != bool(self.awaiting):
-            self.node.dataplane.expect_notifications(bool(self.awaiting))
+            self._dataplane.expect_notifications(bool(self.awaiting))
 
     # --------------------------------------------------------------- pusher
 
     async def advance(self, request_id: str) -> None:
         """Pusher: trim once both sides are known, write once the KV is ready."""
-        node = self.node
-        record = node.registry.get(request_id)
+        ledger = self._ledger
+        record = ledger.registry.get(request_id)
         if record is None:
             return
         if pusher_next(record) is Next.TRIM:
             try:
-                trimmed = node.registry.plan_trim(record.request_id, record.incarnation)
+                trimmed = ledger.registry.plan_trim(record.request_id, record.incarnation)
             except TrimRefused as refusal:
-                node.counters["refusals"] += 1
                 refused = refusal.journaled(record.request_id, record.incarnation, record.engine_id)
                 # One commit, no await in between: another advance() of the same
                 # request must find it failed, not trim (and refuse) it again.
                 failed = react(record, Stimulus.FAILURE, Why(refusal.reason, refusal.message))
-                await node.ledger.commit([refused, *failed], Stimulus.FAILURE.cause)
+                await ledger.commit([refused, *failed], Stimulus.FAILURE.cause)
                 return
-            committed = node.ledger.commit([trimmed])
-            record = node.registry.get(request_id)
+            committed = ledger.commit([trimmed])
+            record = ledger.registry.get(request_id)
             assert record is not None
             if not record.kv_ready:
                 # Nothing waits on the journal again until kv_ready, which may
                 # be long: without this (found by tests/test_load.py) an idle
                 # daemon's journal lagged its registry by every such trim.
                 await committed
-                record = node.registry.get(request_id)
+                record = ledger.registry.get(request_id)
                 if record is None:
                     return
         if pusher_next(record) is Next.WRITE and request_id not in self.writes:
             self._start_write(record)
 
     def _start_write(self, record: RequestRecord) -> None:
-        node = self.node
         assert record.src is not None
-        engine = node.engines.by_id.get(record.engine_id)
+        engine = self._engines.get(record.engine_id)
         if engine is None:
             why = Why(Reason.UNKNOWN_ENGINE, "engine went away")
-            node.spawn(node.react(record, Stimulus.FAILURE, why))
+            self._spawn(self._ledger.react(record, Stimulus.FAILURE, why))
             return
         n_blocks = sum(len(ids) for ids in record.src)
         nbytes = blocks_nbytes(engine.spec, record.src)
         # Committed now, awaited by the write: the peer hears "writing" only
         # once it is durable; the WRITE is posted meanwhile (see _write).
-        started = node.ledger.commit(
+        started = self._ledger.commit(
             [WriteStarted(record.request_id, record.incarnation, n_blocks, nbytes)]
         )
-        node.counters["writes_started"] += 1
-        self.writes[record.request_id] = node.spawn(self._write(record, started, n_blocks, nbytes))
+        self.counters.writes_started += 1
+        self.writes[record.request_id] = self._spawn(self._write(record, started, n_blocks, nbytes))
 
     async def _write(
         self, record: RequestRecord, started: Commit, n_blocks: int, nbytes: int
     ) -> None:
-        node = self.node
+        ledger, integrity = self._ledger, self._integrity
         rid, inc = record.request_id, record.incarnation
         posting: asyncio.Task[WriteResult] | None = None
         gone: PeerGone | None = None
         try:
-            digests = await node.integrity.before_write(record)  # before anything is posted
-            peer = node.peers.states.get(record.peer)
+            digests = await integrity.before_write(record)  # before anything is posted
+            peer = self._agents.get(record.peer)
             if n_blocks and (
-                peer is None or not peer.agent_name or not node.peers.is_up(record.peer)
+                peer is None or not peer.agent_name or not self._port.is_up(record.peer)
             ):
                 gone = PeerGone(f"peer {record.peer} is not connected")
             elif n_blocks:
@@ -152,29 +173,29 @@ class Transfers:
                 # fails the request on restart (ARCHITECTURE.md, "The write
                 # path's durability").
                 posting = asyncio.ensure_future(
-                    node.dataplane.write(
+                    self._dataplane.write(
                         record.engine_id,
                         peer.agent_name,
                         record.remote_engine,
-                        node.integrity.wire_src(record),
+                        integrity.wire_src(record),
                         record.dst,
                         notification_for(rid, inc),
                     )
                 )
             # The peer hears "writing" (and a failure follows it) only once durable.
             await started
-            node.integrity.send(record, digests)
+            integrity.send(record, digests)
             if gone is not None:
                 raise gone
             if posting is not None:
                 await posting
         except (DataPlaneError, PeerGone) as exc:
             self.writes.pop(rid, None)
-            node.counters["writes_failed"] += 1
+            self.counters.writes_failed += 1
             reason = Reason.PEER_DEAD if isinstance(exc, PeerGone) else Reason.TRANSFER_ERROR
-            current = node.current(rid, inc)
+            current = ledger.current(rid, inc)
             if current is not None:
-                await node.react(current, Stimulus.FAILURE, Why(reason, str(exc)))
+                await ledger.react(current, Stimulus.FAILURE, Why(reason, str(exc)))
             return
         except BaseException:
             # Cancelled (an abort, a fence, the drain) or the journal failed
@@ -187,15 +208,15 @@ class Transfers:
                 posting.exception()  # retrieved: the failure that matters is ours
             raise
         self.writes.pop(rid, None)
-        current = node.current(rid, inc)
+        current = ledger.current(rid, inc)
         if current is None:
             return
         # Counted once the core accepts it: a request failed meanwhile (its
         # deadline) does not count its late write as done.
-        completed = node.react(current, Stimulus.WRITE_COMPLETED, failpoint="node.write_done")
+        completed = ledger.react(current, Stimulus.WRITE_COMPLETED, failpoint="node.write_done")
         if await completed:
-            node.counters["writes_done"] += 1
-            node.counters["bytes_written"] += nbytes
+            self.counters.writes_done += 1
+            self.counters.bytes_written += nbytes
 
     async def cancel_write(self, request_id: str) -> None:
         """Abort the NIXL transfer of a write task and wait until it has stopped."""
@@ -218,14 +239,14 @@ class Transfers:
         if key is None:
             log.warning("unparseable notification", agent=agent_name)
             return
-        record = self.node.registry.get(key[0])
+        record = self._ledger.registry.get(key[0])
         if record is None or record.incarnation != key[1] or not awaiting_data(record):
             return
-        self.node.spawn(self._arrived(key[0], key[1]))
+        self._spawn(self._arrived(key[0], key[1]))
 
     async def _arrived(self, request_id: str, incarnation: int) -> None:
-        record = self.node.current(request_id, incarnation)
+        record = self._ledger.current(request_id, incarnation)
         if record is not None:
-            record = await self.node.integrity.landed(record, final=False)
+            record = await self._integrity.landed(record, final=False)
         if record is not None:
-            await self.node.react(record, Stimulus.DATA_LANDED, failpoint="node.kv_arrived")
+            await self._ledger.react(record, Stimulus.DATA_LANDED, failpoint="node.kv_arrived")

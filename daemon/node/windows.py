@@ -9,31 +9,48 @@ write be handed back (ARCHITECTURE.md, invariant 2). A peer linked on demand
 (not configured) has windows only while its link is up: opened when it links
 (:meth:`Windows.rewindow` from its peer_up), fenced like any other when it
 goes, and not reopened until it links again.
+
+This module owns which windows are open (per engine, per peer); it reads the
+engines' memory and learns who the peers are from the peer port.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import structlog
 
-from daemon.dataplane.plane import DataPlaneError
+from daemon.dataplane.plane import DataPlane, DataPlaneError
+from daemon.node.peerport import PeerPort
 from schemas import peer as pm
 from schemas.kvlayout import RemoteEngine
 
 if TYPE_CHECKING:
-    from daemon.node.engines import EngineState
-    from daemon.node.runtime import Node
+    from daemon.node.engine_state import EngineState
 
 log = structlog.get_logger("kvpushd.node")
 
 
 class Windows:
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(
+        self,
+        *,
+        node: str,
+        dataplane: DataPlane,
+        port: PeerPort,
+        engines: Mapping[str, EngineState],
+        closing: Callable[[], bool],
+    ) -> None:
+        self._node = node
+        self._dataplane = dataplane
+        self._port = port
+        self._engines = engines
+        self._closing = closing
         self.metadata = b""
+        # engine id -> peer -> that engine seen through that peer's window.
+        self._open: dict[str, dict[str, RemoteEngine]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
     def _lock(self, peer: str) -> asyncio.Lock:
@@ -43,95 +60,89 @@ class Windows:
 
     async def open_for_all_peers(self, engine: EngineState) -> None:
         """A newly registered engine's windows: one per configured peer and per linked one."""
-        for peer in self.node.peers.window_peers():
+        opened = self._open.setdefault(engine.spec.engine_id, {})
+        for peer in self._port.window_peers():
             async with self._lock(peer):
-                engine.windows[peer] = await self.node.dataplane.open_windows(
-                    peer, engine.spec, engine.regions
-                )
+                opened[peer] = await self._dataplane.open_windows(peer, engine.spec, engine.regions)
+
+    def forget(self, engine_id: str) -> None:
+        """An engine left (or never finished registering): no peer is told of its windows."""
+        self._open.pop(engine_id, None)
+
+    def lacks(self, peer: str) -> bool:
+        """Whether some registered engine has no window for ``peer`` yet."""
+        return any(peer not in self._open.get(e, {}) for e in self._engines)
 
     def view(self, peer: str) -> tuple[RemoteEngine, ...]:
         # Never the engines' own mapping: a peer only learns its windows.
-        engines = self.node.engines.by_id.values()
-        return tuple(e.windows[peer] for e in engines if peer in e.windows)
+        seen = (self._open.get(engine_id, {}).get(peer) for engine_id in self._engines)
+        return tuple(w for w in seen if w is not None)
 
     def engines_message(self, peer: str) -> pm.Engines:
         return pm.Engines(self.view(peer), self.metadata)
 
     async def load_metadata(self) -> None:
-        self.metadata = await self.node.dataplane.metadata()
+        self.metadata = await self._dataplane.metadata()
 
     async def announce(self) -> None:
         """Fresh metadata (it carries the registrations), then each connected peer its view."""
-        links = self.node.links
-        if links is None:
+        if self._port.manager is None:
             return
-        self.metadata = await self.node.dataplane.metadata()
-        for info in links.links:
+        self.metadata = await self._dataplane.metadata()
+        for info in self._port.links():
             if info.up:
-                links.send(info.node, self.engines_message(info.node))
+                self._port.tell(info.node, self.engines_message(info.node))
 
-    async def fence(self, node: str) -> None:
-        """Make sure nothing more moves between ``node`` and this daemon's memory.
+    async def revoke(self, peer: str) -> None:
+        """Revoke ``peer``'s windows: a write it posts from now on faults instead of landing.
 
-        Forgets its agent (nothing more is posted to it) and revokes its
-        windows (a write it posts from now on faults instead of landing,
-        whatever state it is in: frozen, partitioned, or thawing with an old
-        descriptor list). Only after this may the blocks it could write be
-        handed back; :meth:`rewindow` then gives it fresh windows.
+        Whatever state it is in (frozen, partitioned, or thawing with an old
+        descriptor list). Part of a fence (daemon/node/peers.py,
+        :meth:`Peers.fence`); :meth:`rewindow` then gives it fresh windows.
         """
-        own = self.node
-        if own.closing:
+        if self._closing():
             return
-        state = own.peers.states.get(node)
-        if state is not None and state.agent_name:
-            with contextlib.suppress(Exception):
-                await own.dataplane.remove_remote_agent(state.agent_name)
-            state.agent_name = ""
-        async with self._lock(node):
-            for engine in own.engines.by_id.values():
-                engine.windows.pop(node, None)  # no Hello may name them any more
+        async with self._lock(peer):
+            for opened in self._open.values():
+                opened.pop(peer, None)  # no Hello may name them any more
             try:
-                revoked = await own.dataplane.revoke_windows(node)
+                revoked = await self._dataplane.revoke_windows(peer)
             except DataPlaneError:
-                if own.closing:
+                if self._closing():
                     return  # closed under us
                 raise
-        log.info("peer fenced", node=own.config.node, peer=node, windows_revoked=revoked)
+        log.info("peer fenced", node=self._node, peer=peer, windows_revoked=revoked)
 
-    async def rewindow(self, node: str) -> None:
+    async def rewindow(self, peer: str) -> None:
         """Fresh windows for a fenced peer's next link (after its requests were failed).
 
         Also opens an on-demand peer's windows once it links. A peer on demand
         that is not linked (any more) gets none: it may never come back.
         """
-        own = self.node
-        if own.closing or not own.peers.wants_windows(node):
+        port = self._port
+        if self._closing() or not port.wants_windows(peer):
             return
-        async with self._lock(node):
-            if not own.peers.wants_windows(node):
+        async with self._lock(peer):
+            if not port.wants_windows(peer):
                 return  # an on-demand peer went while a fence held the lock
-            for engine in list(own.engines.by_id.values()):
-                if (
-                    node in engine.windows
-                    or own.engines.by_id.get(engine.spec.engine_id) is not engine
-                ):
-                    continue  # opened meanwhile by its registration, or detached
+            for engine_id, engine in list(self._engines.items()):
+                opened = self._open.get(engine_id)
+                if opened is None or peer in opened or self._engines.get(engine_id) is not engine:
+                    continue  # still registering, opened meanwhile, or detached
                 try:
-                    engine.windows[node] = await own.dataplane.open_windows(
-                        node, engine.spec, engine.regions
+                    opened[peer] = await self._dataplane.open_windows(
+                        peer, engine.spec, engine.regions
                     )
                 except DataPlaneError as exc:
                     # Leaving this engine out of what the peer is told is safe:
                     # requests for it fail as unknown to the peer.
-                    log.warning(
-                        "no new window", peer=node, engine=engine.spec.engine_id, error=str(exc)
-                    )
+                    log.warning("no new window", peer=peer, engine=engine_id, error=str(exc))
             try:
-                self.metadata = await own.dataplane.metadata()
+                self.metadata = await self._dataplane.metadata()
             except DataPlaneError:
-                if own.closing:
+                if self._closing():
                     return
                 raise
         # If it is already back on a new link, that link's Hello named no
         # windows (or ones opened since): tell it the current ones.
-        own.peers.tell_peer(node, self.engines_message(node))
+        port.tell(peer, self.engines_message(peer))

@@ -1,0 +1,229 @@
+"""What each engine RPC does: checks by the core, commits through the ledger.
+
+The engine server (daemon/node/engine_server.py) decodes a frame and calls
+the handler for its type here; the handler asks the core what the request
+calls for (a ``check_*`` of the registry or a reaction of
+statemachine/reactions.py) and commits the events through the ledger, which
+applies them, journals them, waits for durability and only then tells the
+engine and the peer what the core says they are owed. A ``Refusal`` raised
+here is journaled by :meth:`EngineRpc.record_refusal` before the engine
+hears of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from daemon.journal.format import MAX_RECORD_BYTES, JournalFatal
+from daemon.node.engine_server import Handler
+from daemon.node.engine_state import EngineSession
+from daemon.node.engines import Engines
+from daemon.node.integrity import Integrity
+from daemon.node.ledger import Ledger
+from daemon.node.peerport import PeerPort
+from daemon.node.peers import Peers
+from daemon.node.tasks import Spawn
+from daemon.node.transfers import Transfers
+from schemas import peer as pm
+from schemas import rpc
+from schemas.config import LimitsConfig
+from schemas.events import Registered, Released
+from schemas.layout import Role
+from schemas.reasons import Reason
+from schemas.state import State
+from statemachine import Refusal
+from statemachine.reactions import Cause, Stimulus, react
+
+PUSHER, RECEIVER = Role.PUSHER, Role.RECEIVER
+# Room for a record's envelope (version, node, seq, time) or a Forward's other
+# fields around a registration's blocks.
+_RECORD_HEADROOM = 4096
+_size_encoder = msgspec.msgpack.Encoder()
+
+
+class EngineRpc:
+    def __init__(
+        self,
+        *,
+        limits: LimitsConfig,
+        on_demand_peers: bool,
+        ledger: Ledger,
+        engines: Engines,
+        peers: Peers,
+        port: PeerPort,
+        transfers: Transfers,
+        integrity: Integrity,
+        spawn: Spawn,
+        stopping: Callable[[], bool],
+        failed: Callable[[], bool],
+    ) -> None:
+        self._limits = limits
+        self._on_demand = on_demand_peers
+        self._ledger = ledger
+        self._engines = engines
+        self._peers = peers
+        self._port = port
+        self._transfers = transfers
+        self._integrity = integrity
+        self._spawn = spawn
+        self._stopping = stopping
+        self._failed = failed  # the journal failed: nothing more is journaled
+
+    def handlers(self) -> dict[type, Handler]:
+        """The engine server's table: each request type and the call that serves it."""
+        return {
+            rpc.RegisterEngine: self.register_engine,
+            rpc.RegisterRequest: self.register_request,
+            rpc.KvReady: self.kv_ready,
+            rpc.Release: self.release,
+            rpc.Abort: self.abort,
+            rpc.Hold: self.hold,
+        }
+
+    async def register_engine(self, session: EngineSession, req: rpc.RegisterEngine) -> rpc.Reply:
+        return await self._engines.register(session, req)
+
+    async def register_request(self, session: EngineSession, req: rpc.RegisterRequest) -> rpc.Reply:
+        if self._stopping():
+            raise Refusal(Reason.DAEMON_RESTART, "the daemon is draining")
+        engines = self._engines
+        engine = engines.own(session, req.engine_id)
+        if req.role is RECEIVER and self._dials(req.peer, req.peer_address):
+            # Dial the pusher's daemon (README.md, "Peers on demand"); then
+            # check again what the wait may have changed.
+            await self._peers.link_on_demand(req.peer, req.peer_address)
+            if self._stopping():
+                raise Refusal(Reason.DAEMON_RESTART, "the daemon is draining")
+            engine = engines.own(session, req.engine_id)
+        limit = self._limits.max_live_per_engine
+        if engine.live >= limit:
+            raise Refusal(
+                Reason.ENGINE_IN_USE,
+                f"engine {req.engine_id} has {engine.live} live requests, the limit is {limit}",
+            )
+        if req.role is RECEIVER:
+            if not req.peer:
+                raise Refusal(Reason.UNKNOWN_REQUEST, "a receiver registration must name its peer")
+            if not self._port.is_up(req.peer):
+                raise Refusal(Reason.PEER_DEAD, f"peer {req.peer!r} is not connected")
+        # The core grants the offload slots (never one a live request holds,
+        # nor one the pool has not zeroed yet); the grant is journaled with
+        # the registration, so it survives a crash.
+        event = self._ledger.registry.check_register(
+            req.request_id,
+            req.incarnation,
+            req.role,
+            req.engine_id,
+            req.peer,
+            req.blocks,
+            req.offload_slots,
+            engines.unavailable_slots(engine),
+            req.content,
+        )
+        self._check_fits(event)
+        self._integrity.check_slots(engine, event)
+        engines.take_offload(engine, event)
+        try:
+            registered = self._ledger.commit([event], Cause.ENGINE)
+        except BaseException:
+            engines.give_back_offload(engine, event)
+            raise
+        engines.granted(event)
+        engine.live += 1
+        await registered  # a receiver's registration is forwarded to its peer once durable
+        if req.role is PUSHER:
+            self._spawn(self._transfers.advance(req.request_id))
+        return rpc.RequestAccepted(
+            req.id, state=State.REGISTERED.value, offload_slots=event.offload_slots
+        )
+
+    def _dials(self, peer: str, address: str) -> bool:
+        """A peer named by address that is not configured (and may be linked now)."""
+        return (
+            bool(peer) and bool(address) and self._on_demand and not self._port.is_configured(peer)
+        )
+
+    def _check_fits(self, event: Registered) -> None:
+        """Refuse a registration too big for one journal record or one peer frame.
+
+        The core expands logical blocks to kernel blocks, so a request frame
+        within the limit can become a record (and a Forward) many times its
+        size. Without this check (found by tests/test_fuzz.py) an oversized
+        record failed to append after the registry had applied it, leaving
+        live state the journal did not have, and an oversized Forward was
+        journaled but never reached the peer; both replied "internal".
+        """
+        n_blocks = sum(len(ids) for ids in event.blocks)
+        strings = (
+            len(event.request_id) + len(event.engine_id) + len(event.peer) + len(event.content)
+        )
+        limit = min(self._limits.max_frame_bytes, MAX_RECORD_BYTES) - _RECORD_HEADROOM
+        # 9 bytes is the largest msgpack int and 4 bytes per character the
+        # largest UTF-8 one: most registrations pass without being encoded.
+        if 9 * n_blocks + 4 * strings <= limit:
+            return
+        size = len(_size_encoder.encode(event))
+        if size > limit:
+            raise Refusal(
+                Reason.BLOCK_OUT_OF_RANGE,
+                f"request {event.request_id}: {n_blocks} kernel blocks encode to {size} bytes, "
+                f"over the {limit}-byte limit of one journal record and one peer frame",
+            )
+
+    async def kv_ready(self, session: EngineSession, req: rpc.KvReady) -> rpc.Reply:
+        record = self._engines.own_request(session, req.request_id, req.incarnation)
+        registry = self._ledger.registry
+        ready = self._ledger.commit([registry.check_kv_ready(record)], Cause.ENGINE)
+        # Advance before waiting: its trimmed/writing records join the same
+        # group commit as kv_ready (one fdatasync), and the WRITE is posted
+        # while it runs. Called, not spawned: with the KV ready, advance()
+        # trims and starts the write without suspending, so a task would
+        # only cost a loop pass.
+        await self._transfers.advance(req.request_id)
+        await ready
+        return rpc.Ok(req.id)
+
+    async def release(self, session: EngineSession, req: rpc.Release) -> rpc.Reply:
+        record = self._engines.own_request(session, req.request_id, req.incarnation)
+        events = react(record, Stimulus.ENGINE_RELEASE)
+        await self._ledger.commit(events, Cause.ENGINE)
+        if any(isinstance(e, Released) for e in events):
+            return rpc.Ok(req.id)
+        return rpc.Deferred(req.id, "a write may still be in flight; released once it ends")
+
+    async def abort(self, session: EngineSession, req: rpc.Abort) -> rpc.Reply:
+        record = self._engines.own_request(session, req.request_id, req.incarnation)
+        await self._ledger.commit(react(record, Stimulus.ENGINE_ABORT), Cause.ENGINE)
+        return rpc.Ok(req.id)
+
+    async def hold(self, session: EngineSession, req: rpc.Hold) -> rpc.Reply:
+        """Tell the prefill daemon a queued decode request will register (rpc.Hold)."""
+        if not req.peer:
+            raise Refusal(Reason.UNKNOWN_REQUEST, "a hold must name the prefill node")
+        if self._dials(req.peer, req.peer_address):
+            await self._peers.link_on_demand(req.peer, req.peer_address)
+        if not self._port.tell(req.peer, pm.Hold(req.request_id, req.incarnation)):
+            raise Refusal(Reason.PEER_DEAD, f"peer {req.peer!r} is not connected")
+        return rpc.Ok(req.id)
+
+    async def record_refusal(self, request: Any, refusal: Refusal) -> bool:
+        """Journal a refused engine request; the registry itself is unchanged.
+
+        False when the refusal is not durable (the journal failed): then the
+        engine must not be told of it either (persist before telling).
+        """
+        if self._failed():
+            return False
+        event = refusal.journaled(
+            getattr(request, "request_id", ""),
+            getattr(request, "incarnation", 0),
+            getattr(request, "engine_id", ""),
+        )
+        try:
+            await self._ledger.commit([event], Cause.ENGINE)
+        except JournalFatal:
+            return False
+        return True
