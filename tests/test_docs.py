@@ -109,3 +109,15 @@ def test_each_how_to_add_recipe_names_files_that_exist() -> None:
         assert paths, heading
         for path in paths:
             assert (REPO / path).is_file(), f"{heading}: {path} does not exist"
+
+
+def test_the_node_parts_table_names_every_part_the_runtime_builds() -> None:
+    section = _section((REPO / "ARCHITECTURE.md").read_text(), "## The node's parts")
+    named = set(re.findall(r"`(\w+)\.py`", section))
+    for name in named:
+        assert (REPO / "daemon" / "node" / f"{name}.py").is_file(), name
+    runtime = (REPO / "daemon" / "node" / "runtime.py").read_text()
+    built = set(re.findall(r"^from daemon\.node\.(\w+) import", runtime, re.M))
+    # The peer links are the service's, handed over by attach_peers; the
+    # engine server's Handler is a type: neither is a part the runtime builds.
+    assert built - {"peerlink", "engine_server"} <= named, sorted(built - named)
