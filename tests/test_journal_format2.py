@@ -26,6 +26,7 @@ from daemon.journal.format import (
     WRITE_FORMAT_ENV,
     JournalCorrupt,
     default_write_format,
+    pack_file_header,
     parse_header,
     segment_name,
 )
@@ -33,6 +34,7 @@ from daemon.journal.reader import first_payload, read_journal, read_unchecked
 from daemon.journal.replay import fold_contents, replay
 from daemon.journal.writer import FsyncPolicy, Journal
 from daemon.node.ledger import Ledger
+from daemon.postmortem.sources import group_sources
 from schemas.events import KvReady, Record, WriteDone, WriteStarted
 from schemas.layout import EngineLayout, GroupKind, GroupLayout, Role
 from statemachine import Registry
@@ -379,3 +381,17 @@ def test_on_batch_sees_what_on_record_sees(tmp_path: Path, journal_format: int) 
     fold_contents(contents, on_record=lambda r, t: one_by_one.append((r.seq, t)))
     fold_contents(contents, on_batch=on_batch)
     assert batched == one_by_one and len(batched) == contents.last_seq
+
+
+@pytest.mark.parametrize("journal_format", [1, 2])
+def test_a_header_only_segment_file_joins_its_node(tmp_path: Path, journal_format: int) -> None:
+    """A rotation right before close leaves a segment with a header alone: it
+    names no node, yet belongs to the node whose segments it follows."""
+    lifecycles(tmp_path / "j", journal_format, 30)
+    last = read_journal(tmp_path / "j").last_seq
+    empty = tmp_path / "j" / segment_name(last + 1)
+    empty.write_bytes(pack_file_header(b"KVPJ", last + 1, journal_format))
+    files = sorted((tmp_path / "j").glob("seg-*.kvj"), reverse=True)
+    (source,) = group_sources(files)
+    assert source.node == "prefill-a" and source.paths == tuple(sorted(files))
+    assert [s.node for s in group_sources([empty])] == [f"?{empty}"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import msgspec
 
-from daemon.journal.format import NoJournal
+from daemon.journal.format import HEADER_SIZE, SEGMENT_MAGIC, Invalid, NoJournal, parse_header
 from daemon.journal.reader import first_payload, require_journal
 from daemon.postmortem.vocab import PostmortemError
 from schemas.events import Record, decode_record
@@ -71,8 +71,12 @@ def group_sources(paths: Sequence[Path]) -> list[NodeSource]:
     state the earlier ones built.
     """
     groups: dict[str, list[tuple[int, Path]]] = {}
+    empty: list[Path] = []
     for path in paths:
         node, first_seq = _peek(path)
+        if node is None and path.is_file() and _header_only(path) is not None:
+            empty.append(path)  # names no node: placed below, by its sequence number
+            continue
         name = node if node is not None else f"?{path}"
         members = groups.setdefault(name, [])
         if (path.is_dir() and members) or any(p.is_dir() for _, p in members):
@@ -83,7 +87,33 @@ def group_sources(paths: Sequence[Path]) -> list[NodeSource]:
         if any(p.resolve() == path.resolve() for _, p in members):
             continue
         members.append((first_seq, path))
+    for path in empty:
+        _place_empty(groups, path)
     return [
         NodeSource(name, tuple(p for _, p in sorted(members, key=lambda m: m[0])))
         for name, members in groups.items()
     ]
+
+
+def _header_only(segment: Path) -> int | None:
+    """The first seq of a segment that holds an intact header and nothing after
+    it (one a writer had just started when it closed), else None."""
+    try:
+        if segment.stat().st_size != HEADER_SIZE:
+            return None
+        return parse_header(segment.read_bytes(), SEGMENT_MAGIC)[0]
+    except (OSError, Invalid):
+        return None
+
+
+def _place_empty(groups: dict[str, list[tuple[int, Path]]], path: Path) -> None:
+    """A header-only segment joins the node whose segments it follows (the group
+    with the highest first seq below its own), else stands alone, as before."""
+    seq = _header_only(path) or 0
+    below = [
+        (max(first for first, _ in members), name)
+        for name, members in groups.items()
+        if not any(p.is_dir() for _, p in members) and min(f for f, _ in members) < seq
+    ]
+    name = max(below)[1] if below else f"?{path}"
+    groups.setdefault(name, []).append((seq, path))
