@@ -10,7 +10,7 @@ with one decoder.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Annotated, Final
 
 import msgspec
 
@@ -20,8 +20,15 @@ from schemas.layout import Role
 from schemas.reasons import Reason
 from schemas.status import StatusDocument
 
-PROTOCOL_VERSION: Final = 1
+# 2 adds Batch / BatchReply. A daemon answers a Hello with the version it
+# will speak on that connection: the client's, if it supports it.
+PROTOCOL_VERSION: Final = 2
+SUPPORTED_PROTOCOLS: Final = frozenset({1, 2})
+BATCH_PROTOCOL: Final = 2
 MAX_FRAME_BYTES: Final = 4 * 1024 * 1024
+# Operations one Batch may carry (one engine step's registrations, kv_readys
+# and releases; a connection's in-flight limit is of the same order).
+MAX_BATCH_OPS: Final = 1024
 
 
 class _Request(msgspec.Struct, frozen=True, tag_field="op", forbid_unknown_fields=True):
@@ -112,7 +119,27 @@ class Status(_Request, frozen=True, tag="status"):
     pass
 
 
-Request = Hello | RegisterEngine | RegisterRequest | KvReady | Release | Abort | Hold | Status
+# What a Batch may carry: the calls about one request each, which an engine
+# step produces many of. Hello, RegisterEngine and Status stay single.
+BatchOp = RegisterRequest | KvReady | Release | Abort | Hold
+
+
+class Batch(_Request, frozen=True, tag="batch"):
+    """Several calls in one frame (protocol 2); answered by one :class:`BatchReply`.
+
+    Each op keeps its own ``id`` and gets its own reply (a refusal is that
+    op's ``Error``, the others go on). The daemon runs them as it runs
+    single calls: in order per request id, concurrently otherwise, their
+    records sharing one group commit; the BatchReply leaves once every op
+    has its reply, in the ops' order.
+    """
+
+    ops: Annotated[tuple[BatchOp, ...], msgspec.Meta(min_length=1, max_length=MAX_BATCH_OPS)]
+
+
+Request = (
+    Hello | RegisterEngine | RegisterRequest | KvReady | Release | Abort | Hold | Status | Batch
+)
 
 
 # ---------------------------------------------------------------- replies
@@ -206,6 +233,15 @@ class Released(msgspec.Struct, frozen=True, tag_field="kind", tag="released"):
     incarnation: int
 
 
-Reply = Ok | HelloOk | RequestAccepted | Deferred | StatusReply | Error
+OpReply = Ok | RequestAccepted | Deferred | Error
+
+
+class BatchReply(_Reply, frozen=True, tag="batch_reply"):
+    """The replies to a :class:`Batch`'s ops, in the ops' order (``id``: the batch's)."""
+
+    replies: tuple[OpReply, ...]
+
+
+Reply = Ok | HelloOk | RequestAccepted | Deferred | StatusReply | Error | BatchReply
 Event = KvArrived | BlocksFreeable | RequestFailed | Released
 ServerMessage = Reply | Event

@@ -94,7 +94,12 @@ class FakeDaemon:
     def __init__(self, path: str) -> None:
         self.path = path
         self.manual: set[str] = set()
-        self.protocol = rpc.PROTOCOL_VERSION
+        # What it answers a Hello with. 1 by default: a daemon without
+        # batches, so the client sends each call as its own frame, as most
+        # of these tests read them; the batch tests set 2.
+        self.protocol = 1
+        self.max_protocol: int | None = None  # set: refuse a Hello above it, as an old daemon
+        self.received: list[tuple[type, int]] = []  # each frame's request type and body size
         self.refuse = False  # answer every connection with Error(0) and hang up
         self.conns: list[Conn] = []
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -130,7 +135,9 @@ class FakeDaemon:
             return
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             while True:
-                request = self._decoder.decode(await read_frame(reader, rpc.MAX_FRAME_BYTES))
+                body = await read_frame(reader, rpc.MAX_FRAME_BYTES)
+                request = self._decoder.decode(body)
+                self.received.append((type(request), len(body)))
                 tag = type(request).__struct_config__.tag
                 if tag in self.manual:
                     conn.inbox.put_nowait(request)
@@ -142,8 +149,16 @@ class FakeDaemon:
 
     def reply(self, request: rpc.Request) -> rpc.Reply:
         match request:
+            case rpc.Hello() if (
+                self.max_protocol is not None and request.protocol > self.max_protocol
+            ):
+                text = f"protocol {request.protocol} not supported, this daemon speaks 1"
+                return rpc.Error(request.id, rpc.BAD_REQUEST, text)
             case rpc.Hello():
                 return rpc.HelloOk(request.id, node="fake", protocol=self.protocol, version="t")
+            case rpc.Batch():
+                replies = tuple(self.reply(op) for op in request.ops)
+                return rpc.BatchReply(request.id, replies)  # type: ignore[arg-type]
             case rpc.RegisterRequest():
                 return rpc.RequestAccepted(request.id, state=f"registered:{request.request_id}")
             case rpc.Status():
@@ -350,7 +365,7 @@ async def test_connect_failures_with_fake_daemon(daemon: FakeDaemon, sock_dir: s
     daemon.protocol = 99
     with pytest.raises(ProtocolError, match="protocol 99"):
         await EngineClient.connect(daemon.path)
-    daemon.protocol = rpc.PROTOCOL_VERSION
+    daemon.protocol = 1
     daemon.manual.add("hello")
     connecting = asyncio.create_task(EngineClient.connect(daemon.path))
     assert await _connected(daemon, len(daemon.conns) + 1)
@@ -877,3 +892,84 @@ async def test_a_failed_send_leaves_no_unretrieved_exception_with_fake_daemon(
     assert failed, "the call made no reply future"
     assert [f for f in failed if f._log_traceback] == []  # type: ignore[attr-defined]
     await client.close()
+
+
+# ------------------------------------------------------------ client: batches
+
+
+def _kinds(daemon: FakeDaemon) -> list[type]:
+    return [kind for kind, _ in daemon.received]
+
+
+async def test_calls_of_one_iteration_leave_as_one_batch_with_fake_daemon(
+    daemon: FakeDaemon,
+) -> None:
+    daemon.protocol = 2
+    client = await EngineClient.connect(daemon.path, timeout=5)
+    try:
+        assert client.protocol == 2
+        replies = await asyncio.gather(*(client.kv_ready(f"r{i}") for i in range(5)))
+        # Each call got its own reply (the fake answers with the op's id).
+        assert all(isinstance(r, rpc.Ok) for r in replies)
+        assert _kinds(daemon) == [rpc.Hello, rpc.Batch]
+        assert (client.batches_sent, client.calls_batched) == (1, 5)
+        # A lone call is no batch.
+        await client.release("r0")
+        assert _kinds(daemon)[-1] is rpc.Release
+    finally:
+        await client.close()
+
+
+async def test_a_protocol_1_daemon_gets_one_frame_per_call_with_fake_daemon(
+    daemon: FakeDaemon,
+) -> None:
+    client = await EngineClient.connect(daemon.path, timeout=5)
+    try:
+        await asyncio.gather(*(client.kv_ready(f"r{i}") for i in range(3)))
+        assert _kinds(daemon) == [rpc.Hello] + [rpc.KvReady] * 3
+        assert client.batches_sent == 0
+    finally:
+        await client.close()
+
+
+async def test_a_daemon_that_refuses_protocol_2_is_spoken_to_in_1_with_fake_daemon(
+    daemon: FakeDaemon,
+) -> None:
+    daemon.max_protocol = 1
+    client = await EngineClient.connect(daemon.path, timeout=5)
+    try:
+        assert client.protocol == 1
+        await asyncio.gather(client.kv_ready("a"), client.kv_ready("b"))
+        assert _kinds(daemon) == [rpc.Hello, rpc.Hello, rpc.KvReady, rpc.KvReady]
+    finally:
+        await client.close()
+
+
+async def test_a_batch_splits_at_the_frame_limit_and_keeps_the_order_with_fake_daemon(
+    daemon: FakeDaemon,
+) -> None:
+    daemon.protocol = 2
+    limit = 2048
+    client = await EngineClient.connect(daemon.path, timeout=5, max_frame_bytes=limit)
+    try:
+        blocks = [list(range(100, 200))]  # about 200 bytes a registration
+        calls = [client.register_request("e", f"r{i:02d}", Role.PUSHER, blocks) for i in range(30)]
+        accepted = await asyncio.gather(*calls)
+        assert [a.state for a in accepted] == [f"registered:r{i:02d}" for i in range(30)]
+        batches = [size for kind, size in daemon.received if kind is rpc.Batch]
+        assert len(batches) >= 3 and max(batches) <= limit
+        assert client.calls_batched == 30
+    finally:
+        await client.close()
+
+
+async def test_a_single_call_after_batched_ones_leaves_after_them_with_fake_daemon(
+    daemon: FakeDaemon,
+) -> None:
+    daemon.protocol = 2
+    client = await EngineClient.connect(daemon.path, timeout=5)
+    try:
+        await asyncio.gather(client.kv_ready("a"), client.kv_ready("b"), client.status())
+        assert _kinds(daemon) == [rpc.Hello, rpc.Batch, rpc.Status]
+    finally:
+        await client.close()

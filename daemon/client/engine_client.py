@@ -55,6 +55,17 @@ EventCallback = Callable[[rpc.Event], None]
 _R = TypeVar("_R")
 _T = TypeVar("_T")
 _END: Final = object()  # event-queue sentinel: the connection is over
+# The calls a Batch frame may carry (schemas/rpc.py BatchOp).
+_BATCHABLE: Final = frozenset({rpc.RegisterRequest, rpc.KvReady, rpc.Release, rpc.Abort, rpc.Hold})
+# Room for a Batch frame's own fields around its ops.
+_BATCH_HEADROOM: Final = 64
+
+
+class _BatchOut(msgspec.Struct, frozen=True, tag_field="op", tag="batch"):
+    """rpc.Batch as sent: ops already encoded (each was, to check its size)."""
+
+    id: int
+    ops: list[msgspec.Raw]
 
 
 class EngineClient:
@@ -62,6 +73,10 @@ class EngineClient:
 
     Build it with :meth:`connect`. Each call takes a fresh id, sends its
     request and awaits the reply with that id; calls may overlap freely.
+    Calls about requests (register_request, kv_ready, release, abort, hold)
+    made in one loop iteration leave as one ``Batch`` frame when the daemon
+    speaks protocol 2 (``batch=False`` at connect: always one frame each);
+    each still gets its own reply and its own error.
     Events are queued for :meth:`events` / :meth:`next_event` (set
     ``queue_events=False`` when only the callback consumes them, so the
     queue does not grow). The callback runs on the reader task: it must not
@@ -77,6 +92,7 @@ class EngineClient:
         timeout: float,
         on_event: EventCallback | None,
         queue_events: bool,
+        batch: bool = True,
     ) -> None:
         self._reader = reader
         self._writer = writer
@@ -85,6 +101,13 @@ class EngineClient:
         self._on_event = on_event
         self._queue_events = queue_events
         self._frames = FrameWriter(writer)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._want_batches = batch
+        self._batching = False  # the daemon said protocol 2 (_hello)
+        self._ops: list[msgspec.Raw] = []  # batchable calls of this iteration
+        self._ops_bytes = 0
+        self.batches_sent = 0  # Batch frames (each carrying two or more calls)
+        self.calls_batched = 0  # calls that left in one
         self._decoder = msgspec.msgpack.Decoder(rpc.ServerMessage)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[rpc.Reply]] = {}
@@ -111,6 +134,7 @@ class EngineClient:
         timeout: float = DEFAULT_TIMEOUT_S,
         on_event: EventCallback | None = None,
         queue_events: bool = True,
+        batch: bool = True,
     ) -> EngineClient:
         """Connect, say Hello, and check the daemon speaks our protocol.
 
@@ -135,6 +159,7 @@ class EngineClient:
             timeout=timeout,
             on_event=on_event,
             queue_events=queue_events,
+            batch=batch,
         )
         client._reader_task = asyncio.create_task(client._read_loop(), name="kvpushd-client-reader")
         try:
@@ -152,14 +177,23 @@ class EngineClient:
         return client
 
     async def _hello(self, client_name: str) -> None:
-        reply = await self._call(rpc.Hello(self._next_id(), client=client_name), rpc.HelloOk)
-        if reply.protocol != rpc.PROTOCOL_VERSION:
+        hello = rpc.Hello(self._next_id(), client=client_name)
+        try:
+            reply = await self._call(hello, rpc.HelloOk)
+        except RpcError as exc:
+            if exc.code != rpc.BAD_REQUEST or "protocol" not in exc.message:
+                raise
+            # A daemon from before protocol 2: speak 1 (no batches) with it.
+            reply = await self._call(rpc.Hello(self._next_id(), client_name, 1), rpc.HelloOk)
+        if reply.protocol not in rpc.SUPPORTED_PROTOCOLS:
+            speaks = ", ".join(str(p) for p in sorted(rpc.SUPPORTED_PROTOCOLS))
             raise ProtocolError(
                 f"daemon {reply.node!r} speaks protocol {reply.protocol}, "
-                f"this client speaks {rpc.PROTOCOL_VERSION}"
+                f"this client speaks {speaks}"
             )
         self.node, self.server_version, self.protocol = reply.node, reply.version, reply.protocol
         self.boot_id = reply.boot_id
+        self._batching = self._want_batches and reply.protocol >= rpc.BATCH_PROTOCOL
 
     async def close(self) -> None:
         """Close the connection; pending calls fail with :class:`ConnectionLost`."""
@@ -364,7 +398,12 @@ class EngineClient:
         anything is queued.
         """
         try:
-            self._frames.send(request, self._max_frame_bytes)
+            if self._batching and type(request) in _BATCHABLE:
+                self._queue_op(request)
+            else:
+                if self._ops:
+                    self._send_ops()  # calls made before this one leave before it
+                self._frames.send(request, self._max_frame_bytes)
         except FrameTooLarge as exc:
             raise RequestTooLarge(
                 f"{type(request).__name__} encodes to {exc.length} bytes, "
@@ -379,6 +418,33 @@ class EngineClient:
                 lost = ConnectionLost(f"send failed: {exc}")
                 self._lose(lost)
                 raise lost from exc
+
+    def _queue_op(self, request: rpc.Request) -> None:
+        """Hold a call for this iteration's Batch frame (FrameTooLarge: not queued)."""
+        encoded = self._encoder.encode(request)
+        if len(encoded) > self._max_frame_bytes:
+            raise FrameTooLarge(len(encoded), self._max_frame_bytes)
+        room = self._max_frame_bytes - _BATCH_HEADROOM
+        if self._ops and (
+            self._ops_bytes + len(encoded) > room or len(self._ops) >= rpc.MAX_BATCH_OPS
+        ):
+            self._send_ops()  # full: this frame goes now, the call starts the next
+        if not self._ops:
+            asyncio.get_running_loop().call_soon(self._send_ops)
+        self._ops.append(msgspec.Raw(encoded))
+        self._ops_bytes += len(encoded)
+
+    def _send_ops(self) -> None:
+        """This iteration's calls: one alone as itself, two or more as one Batch."""
+        ops, self._ops, self._ops_bytes = self._ops, [], 0
+        if self._lost is not None or not ops:
+            return  # the loss already failed their calls
+        if len(ops) == 1:
+            self._frames.send(ops[0])
+            return
+        self._frames.send(_BatchOut(self._next_id(), ops))
+        self.batches_sent += 1
+        self.calls_batched += len(ops)
 
     async def _read_loop(self) -> None:
         """Read frames until the connection ends, then fail whatever is pending."""
@@ -407,6 +473,13 @@ class EngineClient:
         ):
             self._deliver(message)
             return
+        if type(message) is rpc.BatchReply:
+            for reply in message.replies:
+                self._resolve(reply)
+            return
+        self._resolve(message)
+
+    def _resolve(self, message: rpc.Reply) -> None:
         future = self._pending.get(message.id)
         if future is None or future.done():
             if isinstance(message, rpc.Error):

@@ -82,6 +82,8 @@ class Session:
         self.closed = False
         # Requests in flight on this connection, in a safe order (see EngineServer._submit).
         self.requests = KeyedSerializer()
+        # Batches waiting for their ops' replies (EngineServer._submit_batch).
+        self.batches: set[asyncio.Task[None]] = set()
 
     def send(self, message: Any) -> None:
         failpoints.hit("engine.reply")
@@ -284,7 +286,10 @@ class EngineServer:
             if len(inflight) >= MAX_INFLIGHT_PER_CONNECTION:
                 # Backpressure: stop reading until a request finishes.
                 await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
-            self._submit(session, request, clog)
+            if type(request) is rpc.Batch:
+                self._submit_batch(session, request, clog)
+            else:
+                self._submit(session, request, clog)
 
     def _submit(self, session: Session, request: Any, clog: Any) -> None:
         """Run a request concurrently with the connection's others, in a safe order.
@@ -300,7 +305,40 @@ class EngineServer:
             self._reply(session, request, clog), getattr(request, "request_id", None)
         )
 
+    def _submit_batch(self, session: Session, batch: rpc.Batch, clog: Any) -> None:
+        """Each op as if it came alone (same order rules); one reply frame for all.
+
+        The ops are submitted in the loop pass that read the frame, so their
+        records join the same group commit, as a burst of single frames'
+        would; the BatchReply waits for the last op's reply.
+        """
+        answers = [
+            session.requests.submit(self._answer(session, op, clog), op.request_id)
+            for op in batch.ops
+        ]
+        task = asyncio.ensure_future(self._reply_batch(session, batch.id, answers))
+        session.batches.add(task)
+        task.add_done_callback(session.batches.discard)
+
+    async def _reply_batch(
+        self, session: Session, batch_id: int, answers: list[asyncio.Task[rpc.Reply | None]]
+    ) -> None:
+        replies = await asyncio.gather(*answers, return_exceptions=True)
+        if all(
+            isinstance(r, rpc.Ok | rpc.RequestAccepted | rpc.Deferred | rpc.Error) for r in replies
+        ):
+            session.send(rpc.BatchReply(batch_id, tuple(replies)))  # type: ignore[arg-type]
+        # Otherwise an op was cancelled (the connection or the daemon is
+        # going) or closed the connection (the engine.accepted failpoint):
+        # nobody is left to answer.
+
     async def _reply(self, session: Session, request: Any, clog: Any) -> None:
+        reply = await self._answer(session, request, clog)
+        if reply is not None:
+            session.send(reply)
+
+    async def _answer(self, session: Session, request: Any, clog: Any) -> rpc.Reply | None:
+        """The reply to one request; None if the connection was closed instead."""
         reply = await self._dispatch(session, request, clog)
         if isinstance(reply, rpc.RequestAccepted):
             try:
@@ -310,8 +348,8 @@ class EngineServer:
                 # connection ends here, as a reset one would, and the daemon
                 # lives on (the engine's requests stay its own).
                 session.close()
-                return
-        session.send(reply)
+                return None
+        return reply
 
     async def _dispatch(self, session: Session, request: Any, clog: Any) -> rpc.Reply:
         handler = self._handlers[type(request)]
@@ -332,15 +370,15 @@ class EngineServer:
             return rpc.Error(request.id, rpc.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     async def _hello(self, session: Session, req: rpc.Hello) -> rpc.Reply:
-        if req.protocol != rpc.PROTOCOL_VERSION:
+        if req.protocol not in rpc.SUPPORTED_PROTOCOLS:
+            speaks = ", ".join(str(p) for p in sorted(rpc.SUPPORTED_PROTOCOLS))
             return rpc.Error(
                 req.id,
                 rpc.BAD_REQUEST,
-                f"protocol {req.protocol} not supported, this daemon speaks {rpc.PROTOCOL_VERSION}",
+                f"protocol {req.protocol} not supported, this daemon speaks {speaks}",
             )
-        return rpc.HelloOk(
-            req.id, self.node.config.node, rpc.PROTOCOL_VERSION, VERSION, self.node.boot_id
-        )
+        # The client's own version: the one this connection speaks from now on.
+        return rpc.HelloOk(req.id, self.node.config.node, req.protocol, VERSION, self.node.boot_id)
 
     async def _status(self, session: Session, req: rpc.Status) -> rpc.Reply:
         return rpc.StatusReply(req.id, self.node.status())
