@@ -935,6 +935,13 @@ class _WorkerSide:
             target=self._loop.run_forever, name="kvpushd-connector", daemon=True
         )
         self._thread.start()
+        # Calls vLLM's thread hands the loop between two of the loop's turns
+        # start in one turn, so the client sends them as one Batch frame
+        # (schemas/rpc.py): one engine step's registrations, kv_readys and
+        # releases, one frame (_spawn).
+        self._spawn_lock = threading.Lock()
+        self._to_spawn: list[Coroutine[Any, Any, None]] = []
+        self._running: set[asyncio.Task[None]] = set()
         self._closing = False
         # The connection to the daemon and its generation: a transfer belongs
         # to the connection it was posted under and ends when that one ends.
@@ -1797,8 +1804,21 @@ class _WorkerSide:
         return client
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        future.add_done_callback(_log_failure)
+        with self._spawn_lock:
+            self._to_spawn.append(coro)
+            if len(self._to_spawn) > 1:
+                return  # the loop has yet to start the ones before: it starts this too
+        self._loop.call_soon_threadsafe(self._start_spawned)
+
+    def _start_spawned(self) -> None:
+        """On the loop: start every call handed over since the last turn, together."""
+        with self._spawn_lock:
+            coros, self._to_spawn = self._to_spawn, []
+        for coro in coros:
+            task = self._loop.create_task(coro)
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+            task.add_done_callback(_log_failure)
 
     def _run(self, coro: Coroutine[Any, Any, None]) -> None:
         asyncio.run_coroutine_threadsafe(coro, self._loop).result(CALL_TIMEOUT_S)
@@ -1833,6 +1853,8 @@ def _outcome(event: Any, ok: str) -> str:
 
 
 def _log_failure(future: Any) -> None:
+    if future.cancelled():
+        return  # the loop stopped (close)
     exc = future.exception()
     if exc is not None:
         log.error("kvpushd: a daemon call failed: %r", exc)
