@@ -20,28 +20,21 @@ import pytest
 
 from daemon.client.errors import RpcError
 from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
-from daemon.sim.launcher import Daemon, wait_idle
+from daemon.sim.launcher import wait_idle
 from schemas import rpc
 from schemas.events import Failed, KvReady, Refused, Registered, WriteDone
 from schemas.layout import Role
 from schemas.reasons import Reason
 from tests.support.metrics import MetricsDaemon, delta, metrics_pair
+from tests.support.pushes import engine_pair
 
 LAYOUT = [SimGroup(num_blocks=64, block_bytes=1024, layers=2)]
 N = 8
 
 
-async def _engines(pair: tuple[Daemon, Daemon]) -> tuple[SimEngine, SimEngine]:
-    prefill, decode = pair
-    tag = uuid.uuid4().hex[:8]
-    pe = await SimEngine.create(f"p-{tag}", Role.PUSHER, LAYOUT, prefill.socket)
-    de = await SimEngine.create(f"d-{tag}", Role.RECEIVER, LAYOUT, decode.socket)
-    return pe, de
-
-
 async def test_a_step_of_pushes_in_batches_moves_every_request_exactly(peered_pair) -> None:
     prefill, decode = peered_pair
-    pe, de = await _engines(peered_pair)
+    pe, de = await engine_pair(peered_pair, LAYOUT)
     rids = [f"step-{uuid.uuid4().hex[:6]}-{i}" for i in range(N)]
     try:
         srcs = [[[2 * i, 2 * i + 1]] for i in range(N)]
@@ -77,7 +70,7 @@ async def test_a_step_of_pushes_in_batches_moves_every_request_exactly(peered_pa
 
 async def test_a_refused_op_fails_alone_and_is_journaled(peered_pair) -> None:
     prefill, _ = peered_pair
-    pe, de = await _engines(peered_pair)
+    pe, de = await engine_pair(peered_pair, LAYOUT)
     rid, ghost = f"kept-{uuid.uuid4().hex[:6]}", f"ghost-{uuid.uuid4().hex[:6]}"
     client = pe.client
     sent = client.batches_sent
@@ -107,7 +100,7 @@ async def test_a_refused_op_fails_alone_and_is_journaled(peered_pair) -> None:
 
 
 async def test_ops_about_one_request_keep_their_order_in_a_batch(peered_pair) -> None:
-    pe, de = await _engines(peered_pair)
+    pe, de = await engine_pair(peered_pair, LAYOUT)
     rid = f"ordered-{uuid.uuid4().hex[:6]}"
     client = pe.client
     try:

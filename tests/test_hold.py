@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -25,9 +24,9 @@ from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
 from daemon.sim.launcher import Daemon, start_pair, wait_idle
 from schemas import rpc
 from schemas.events import Failed, Held, WriteDone
-from schemas.layout import Role
 from schemas.reasons import Reason
 from tests.support.fixtures import stop_cleanly
+from tests.support.pushes import engine_pair
 
 LAYOUT = [SimGroup(num_blocks=32, block_bytes=2048, layers=2)]
 SHORT = "[deadlines]\nregistered = 1.0\nheld = 4.0"
@@ -39,14 +38,6 @@ def short_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemo
     pair = start_pair(tmp_path_factory.mktemp("hold"), extra=SHORT)
     yield pair
     stop_cleanly(*pair)
-
-
-async def _engines(pair: tuple[Daemon, Daemon]) -> tuple[SimEngine, SimEngine]:
-    prefill, decode = pair
-    tag = uuid.uuid4().hex[:8]
-    pe = await SimEngine.create(f"p-{tag}", Role.PUSHER, LAYOUT, prefill.socket)
-    de = await SimEngine.create(f"d-{tag}", Role.RECEIVER, LAYOUT, decode.socket)
-    return pe, de
 
 
 async def _queue_for(de: SimEngine, request_id: str, seconds: float) -> None:
@@ -61,7 +52,7 @@ async def test_a_held_push_outlives_its_registered_deadline_and_the_kv_still_mov
     short_pair,
 ) -> None:
     prefill, decode = short_pair
-    pe, de = await _engines(short_pair)
+    pe, de = await engine_pair(short_pair, LAYOUT)
     rid = "queued"
     try:
         src, dst = [[3, 4, 5]], [[20, 21, 22]]
@@ -89,7 +80,7 @@ async def test_a_held_push_outlives_its_registered_deadline_and_the_kv_still_mov
 
 async def test_without_a_hold_the_push_ends_at_its_registered_deadline(short_pair) -> None:
     prefill, decode = short_pair
-    pe, de = await _engines(short_pair)
+    pe, de = await engine_pair(short_pair, LAYOUT)
     rid = "unheld"
     try:
         await pe.prefill(rid, [[3, 4, 5]])
@@ -106,7 +97,7 @@ async def test_without_a_hold_the_push_ends_at_its_registered_deadline(short_pai
 
 async def test_holds_end_at_the_operators_bound(short_pair) -> None:
     prefill, decode = short_pair
-    pe, de = await _engines(short_pair)
+    pe, de = await engine_pair(short_pair, LAYOUT)
     rid = "held-too-long"
     try:
         started = time.monotonic()
@@ -132,7 +123,7 @@ async def test_holds_end_at_the_operators_bound(short_pair) -> None:
 
 async def test_a_hold_naming_an_unknown_peer_is_refused_and_changes_nothing(short_pair) -> None:
     _, decode = short_pair
-    pe, de = await _engines(short_pair)
+    pe, de = await engine_pair(short_pair, LAYOUT)
     try:
         before = decode.status()["live"]
         with pytest.raises(RpcError) as refused:

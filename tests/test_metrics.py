@@ -11,7 +11,6 @@ import asyncio
 import time
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Callable, Iterator
 
 import msgspec
@@ -27,6 +26,7 @@ from schemas.state import RequestRecord, State
 from schemas.status import StatusDocument
 from tests.support import REPO
 from tests.support.metrics import MetricsDaemon, Samples, delta, metrics_pair, value
+from tests.support.pushes import engine_pair
 
 LAYOUT = [
     SimGroup(num_blocks=256, block_bytes=4096, layers=2),
@@ -40,11 +40,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[MetricsDaem
 
 
 async def _engines(pair: tuple[MetricsDaemon, ...]) -> tuple[SimEngine, SimEngine]:
-    prefill, decode = pair
-    tag = uuid.uuid4().hex[:8]
-    pe = await SimEngine.create(f"p-{tag}", Role.PUSHER, LAYOUT, prefill.socket)
-    de = await SimEngine.create(f"d-{tag}", Role.RECEIVER, LAYOUT, decode.socket)
-    return pe, de
+    return await engine_pair(pair, LAYOUT)
 
 
 async def _push(pe: SimEngine, de: SimEngine, rid: str, src, dst) -> int:

@@ -91,6 +91,18 @@ class Parts:
             closing=lambda: self.closing,
         )
 
+    def engines_part(self, windows: Windows) -> Engines:
+        return Engines(
+            node="prefill-node",
+            ledger=self.ledger,
+            dataplane=self.dataplane,
+            windows=windows,
+            by_id=self.engines,
+            spawn=self.tasks.spawn,
+            closing=lambda: self.closing,
+            tombstones=16,
+        )
+
     def integrity(self, verify: VerifyMode = VerifyMode.OFF) -> Integrity:
         return Integrity(
             IntegrityConfig(verify=verify),
@@ -214,16 +226,7 @@ async def test_tasks_are_tracked_logged_once_and_cancelled_together() -> None:
 async def test_engines_alone_register_window_and_detach(parts: Parts, shm: Any) -> None:
     groups, regions = shm
     windows = parts.windows()
-    engines = Engines(
-        node="prefill-node",
-        ledger=parts.ledger,
-        dataplane=parts.dataplane,
-        windows=windows,
-        by_id=parts.engines,
-        spawn=parts.tasks.spawn,
-        closing=lambda: False,
-        tombstones=16,
-    )
+    engines = parts.engines_part(windows)
     session = RecordingSession()
     specs = tuple(r.spec() for r in regions)
     reply = await engines.register(session, rpc.RegisterEngine(1, "prefill-0", groups, specs))
@@ -388,16 +391,7 @@ async def test_engine_rpc_alone_refuses_while_draining_and_journals_refusals(
     integrity = parts.integrity()
     windows = parts.windows()
     transfers = parts.transfers(integrity)
-    engines = Engines(
-        node="prefill-node",
-        ledger=parts.ledger,
-        dataplane=parts.dataplane,
-        windows=windows,
-        by_id=parts.engines,
-        spawn=parts.tasks.spawn,
-        closing=lambda: False,
-        tombstones=16,
-    )
+    engines = parts.engines_part(windows)
     state = {"stopping": True, "failed": False}
     calls = EngineRpc(
         limits=LimitsConfig(),

@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
-from daemon.sim.engine import Expectation, SimEngine, tail_pairs
+import uuid
+from collections.abc import Sequence
+
+from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
 from daemon.sim.launcher import Daemon
 from schemas import rpc
+from schemas.layout import Role
+
+
+async def engine_pair(
+    pair: Sequence[Daemon], layout: Sequence[SimGroup]
+) -> tuple[SimEngine, SimEngine]:
+    """A fresh pusher on the pair's prefill daemon and receiver on its decode daemon."""
+    prefill, decode = pair
+    tag = uuid.uuid4().hex[:8]
+    pe = await SimEngine.create(f"p-{tag}", Role.PUSHER, layout, prefill.socket)
+    de = await SimEngine.create(f"d-{tag}", Role.RECEIVER, layout, decode.socket)
+    return pe, de
 
 
 async def push(
