@@ -128,10 +128,10 @@ class Batch(_Request, frozen=True, tag="batch"):
     """Several calls in one frame (protocol 2); answered by one :class:`BatchReply`.
 
     Each op keeps its own ``id`` and gets its own reply (a refusal is that
-    op's ``Error``, the others go on). The daemon runs them as it runs
-    single calls: in order per request id, concurrently otherwise, their
-    records sharing one group commit; the BatchReply leaves once every op
-    has its reply, in the ops' order.
+    op's ``Error``, the others go on). The daemon runs the batch after
+    whatever came before about any of its requests and admits the ops in
+    order, in one pass, so their records share one group commit; the
+    BatchReply leaves once they are durable, replies in the ops' order.
     """
 
     ops: Annotated[tuple[BatchOp, ...], msgspec.Meta(min_length=1, max_length=MAX_BATCH_OPS)]

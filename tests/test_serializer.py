@@ -108,3 +108,38 @@ async def test_a_failed_predecessor_does_not_stop_its_successor():
     await asyncio.wait(list(order.inflight))
     assert ran == ["after"]
     assert isinstance(failed.exception(), RuntimeError)
+
+
+async def test_a_batch_runs_after_each_of_its_keys_and_before_what_follows_on_them():
+    # An engine's batch (EngineServer._submit_batch) is one task for several
+    # request ids: it waits for what came before on any of them, and what
+    # comes after on any of them waits for it; other ids run beside it.
+    order = KeyedSerializer()
+    t = Trace()
+
+    order.submit(t.step("a-before", wait=True), "a")
+    batch = order.submit_many(t.step("batch"), {"a", "b"})
+    order.submit(t.step("b-after"), "b")
+    order.submit(t.step("c-beside"), "c")
+    await asyncio.sleep(0.01)
+    assert t.ran == ["c-beside"]  # the batch waits for a-before, b-after for the batch
+    t.gate.set()
+    await finished(order)
+    assert t.ran == ["c-beside", "a-before", "batch", "b-after"]
+    assert batch.done() and not order.inflight
+    # Its keys are free again: nothing waits on the finished batch.
+    order.submit(t.step("a-later"), "a")
+    await finished(order)
+    assert t.ran[-1] == "a-later"
+
+
+async def test_a_barrier_waits_for_a_batch():
+    order = KeyedSerializer()
+    t = Trace()
+    order.submit_many(t.step("batch", wait=True), {"a", "b"})
+    order.submit(t.step("status"), None)
+    await asyncio.sleep(0.01)
+    assert t.ran == []
+    t.gate.set()
+    await finished(order)
+    assert t.ran == ["batch", "status"]

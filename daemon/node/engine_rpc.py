@@ -13,6 +13,7 @@ hears of it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -22,7 +23,7 @@ from daemon.node.engine_server import Handler
 from daemon.node.engine_state import EngineSession
 from daemon.node.engines import Engines
 from daemon.node.integrity import Integrity
-from daemon.node.ledger import Ledger
+from daemon.node.ledger import Commit, Ledger
 from daemon.node.peerport import PeerPort
 from daemon.node.peers import Peers
 from daemon.node.tasks import Spawn
@@ -42,6 +43,22 @@ PUSHER, RECEIVER = Role.PUSHER, Role.RECEIVER
 # fields around a registration's blocks.
 _RECORD_HEADROOM = 4096
 _size_encoder = msgspec.msgpack.Encoder()
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A call checked and its records appended: its reply, once they are durable."""
+
+    reply: rpc.Reply
+    commits: tuple[Commit, ...]
+    then: Callable[[], None] | None = None  # run once durable, before the reply
+
+    async def finish(self) -> rpc.Reply:
+        for committed in self.commits:
+            await committed  # durable, then the notices it owes go out
+        if self.then is not None:
+            self.then()
+        return self.reply
 
 
 class EngineRpc:
@@ -86,18 +103,46 @@ class EngineRpc:
     async def register_engine(self, session: EngineSession, req: rpc.RegisterEngine) -> rpc.Reply:
         return await self._engines.register(session, req)
 
+    # Each call is admitted at once (checked by the core, its records
+    # appended, no await in between) and answered once those records are
+    # durable (Admitted.finish). A batch admits all its ops in one pass, so
+    # their records share one group commit, then finishes them.
+
+    def waits_first(self, op: rpc.BatchOp) -> bool:
+        """Whether ``op`` must wait before it is admitted (it dials a peer on demand)."""
+        if type(op) is rpc.RegisterRequest:
+            return op.role is RECEIVER and self._dials(op.peer, op.peer_address)
+        if type(op) is rpc.Hold:
+            return self._dials(op.peer, op.peer_address)
+        return False
+
+    def admit(self, session: EngineSession, op: rpc.BatchOp) -> Admitted:
+        """Check and append ``op`` now (``Refusal``: nothing appended); see :meth:`waits_first`."""
+        if isinstance(op, rpc.KvReady):
+            return self._admit_kv_ready(session, op)
+        if isinstance(op, rpc.Release):
+            return self._admit_release(session, op)
+        if isinstance(op, rpc.Abort):
+            return self._admit_abort(session, op)
+        if isinstance(op, rpc.RegisterRequest):
+            return self._admit_register(session, op)
+        return self._admit_hold(op)
+
     async def register_request(self, session: EngineSession, req: rpc.RegisterRequest) -> rpc.Reply:
+        if req.role is RECEIVER and self._dials(req.peer, req.peer_address):
+            if self._stopping():
+                raise Refusal(Reason.DAEMON_RESTART, "the daemon is draining")
+            self._engines.own(session, req.engine_id)
+            # Dial the pusher's daemon (README.md, "Peers on demand"); the
+            # admission then checks again what the wait may have changed.
+            await self._peers.link_on_demand(req.peer, req.peer_address)
+        return await self._admit_register(session, req).finish()
+
+    def _admit_register(self, session: EngineSession, req: rpc.RegisterRequest) -> Admitted:
         if self._stopping():
             raise Refusal(Reason.DAEMON_RESTART, "the daemon is draining")
         engines = self._engines
         engine = engines.own(session, req.engine_id)
-        if req.role is RECEIVER and self._dials(req.peer, req.peer_address):
-            # Dial the pusher's daemon (README.md, "Peers on demand"); then
-            # check again what the wait may have changed.
-            await self._peers.link_on_demand(req.peer, req.peer_address)
-            if self._stopping():
-                raise Refusal(Reason.DAEMON_RESTART, "the daemon is draining")
-            engine = engines.own(session, req.engine_id)
         limit = self._limits.max_live_per_engine
         if engine.live >= limit:
             raise Refusal(
@@ -133,12 +178,19 @@ class EngineRpc:
             raise
         engines.granted(event)
         engine.live += 1
-        await registered  # a receiver's registration is forwarded to its peer once durable
-        if req.role is PUSHER:
-            self._spawn(self._transfers.advance(req.request_id))
-        return rpc.RequestAccepted(
+        accepted = rpc.RequestAccepted(
             req.id, state=State.REGISTERED.value, offload_slots=event.offload_slots
         )
+        # A receiver's registration is forwarded to its peer once durable; a
+        # pusher's advances (trims, if its receiver is known) once durable.
+        then = self._advance_later(req.request_id) if req.role is PUSHER else None
+        return Admitted(accepted, (registered,), then)
+
+    def _advance_later(self, request_id: str) -> Callable[[], None]:
+        def advance() -> None:
+            self._spawn(self._transfers.advance(request_id))
+
+        return advance
 
     def _dials(self, peer: str, address: str) -> bool:
         """A peer named by address that is not configured (and may be linked now)."""
@@ -174,40 +226,63 @@ class EngineRpc:
             )
 
     async def kv_ready(self, session: EngineSession, req: rpc.KvReady) -> rpc.Reply:
+        return await self._admit_kv_ready(session, req).finish()
+
+    def _admit_kv_ready(self, session: EngineSession, req: rpc.KvReady) -> Admitted:
         record = self._engines.own_request(session, req.request_id, req.incarnation)
-        registry = self._ledger.registry
-        ready = self._ledger.commit([registry.check_kv_ready(record)], Cause.ENGINE)
-        # Advance before waiting: its trimmed/writing records join the same
-        # group commit as kv_ready (one fdatasync), and the WRITE is posted
-        # while it runs. Called, not spawned: with the KV ready, advance()
-        # trims and starts the write without suspending, so a task would
-        # only cost a loop pass.
-        await self._transfers.advance(req.request_id)
-        await ready
-        return rpc.Ok(req.id)
+        ready = self._ledger.commit([self._ledger.registry.check_kv_ready(record)], Cause.ENGINE)
+        # Trim and start the write now: their records join kv_ready's group
+        # commit (one fdatasync), and the WRITE is posted while it runs.
+        moved = self._transfers.step(req.request_id)
+        commits = (ready,) if moved is None else (ready, moved)
+        return Admitted(rpc.Ok(req.id), commits)
 
     async def release(self, session: EngineSession, req: rpc.Release) -> rpc.Reply:
+        return await self._admit_release(session, req).finish()
+
+    def _admit_release(self, session: EngineSession, req: rpc.Release) -> Admitted:
         record = self._engines.own_request(session, req.request_id, req.incarnation)
         events = react(record, Stimulus.ENGINE_RELEASE)
-        await self._ledger.commit(events, Cause.ENGINE)
+        committed = self._ledger.commit(events, Cause.ENGINE)
         if any(isinstance(e, Released) for e in events):
-            return rpc.Ok(req.id)
-        return rpc.Deferred(req.id, "a write may still be in flight; released once it ends")
+            return Admitted(rpc.Ok(req.id), (committed,))
+        waiting = rpc.Deferred(req.id, "a write may still be in flight; released once it ends")
+        return Admitted(waiting, (committed,))
 
     async def abort(self, session: EngineSession, req: rpc.Abort) -> rpc.Reply:
+        return await self._admit_abort(session, req).finish()
+
+    def _admit_abort(self, session: EngineSession, req: rpc.Abort) -> Admitted:
         record = self._engines.own_request(session, req.request_id, req.incarnation)
-        await self._ledger.commit(react(record, Stimulus.ENGINE_ABORT), Cause.ENGINE)
-        return rpc.Ok(req.id)
+        committed = self._ledger.commit(react(record, Stimulus.ENGINE_ABORT), Cause.ENGINE)
+        return Admitted(rpc.Ok(req.id), (committed,))
 
     async def hold(self, session: EngineSession, req: rpc.Hold) -> rpc.Reply:
         """Tell the prefill daemon a queued decode request will register (rpc.Hold)."""
+        if req.peer and self._dials(req.peer, req.peer_address):
+            await self._peers.link_on_demand(req.peer, req.peer_address)
+        return await self._admit_hold(req).finish()
+
+    def _admit_hold(self, req: rpc.Hold) -> Admitted:
         if not req.peer:
             raise Refusal(Reason.UNKNOWN_REQUEST, "a hold must name the prefill node")
-        if self._dials(req.peer, req.peer_address):
-            await self._peers.link_on_demand(req.peer, req.peer_address)
         if not self._port.tell(req.peer, pm.Hold(req.request_id, req.incarnation)):
             raise Refusal(Reason.PEER_DEAD, f"peer {req.peer!r} is not connected")
-        return rpc.Ok(req.id)
+        return Admitted(rpc.Ok(req.id), ())
+
+    def refuse(self, request: Any, refusal: Refusal) -> Commit | None:
+        """Append a refused engine request's ``Refused``; None if the journal failed."""
+        if self._failed():
+            return None
+        event = refusal.journaled(
+            getattr(request, "request_id", ""),
+            getattr(request, "incarnation", 0),
+            getattr(request, "engine_id", ""),
+        )
+        try:
+            return self._ledger.commit([event], Cause.ENGINE)
+        except JournalFatal:
+            return None
 
     async def record_refusal(self, request: Any, refusal: Refusal) -> bool:
         """Journal a refused engine request; the registry itself is unchanged.
@@ -215,15 +290,11 @@ class EngineRpc:
         False when the refusal is not durable (the journal failed): then the
         engine must not be told of it either (persist before telling).
         """
-        if self._failed():
+        committed = self.refuse(request, refusal)
+        if committed is None:
             return False
-        event = refusal.journaled(
-            getattr(request, "request_id", ""),
-            getattr(request, "incarnation", 0),
-            getattr(request, "engine_id", ""),
-        )
         try:
-            await self._ledger.commit([event], Cause.ENGINE)
+            await committed
         except JournalFatal:
             return False
         return True

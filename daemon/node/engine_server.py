@@ -115,21 +115,39 @@ REFUSED_LINGER_S = 2.0
 REFUSED_DISCARD_BYTES = 1024 * 1024
 
 
+class Admission(Protocol):
+    """A call checked and its records appended (engine_rpc.Admitted)."""
+
+    async def finish(self) -> rpc.Reply: ...
+
+
+class EngineCalls(Protocol):
+    """What each engine call does (daemon/node/engine_rpc.py ``EngineRpc``)."""
+
+    def handlers(self) -> Mapping[type, Handler]: ...
+
+    def waits_first(self, op: rpc.BatchOp) -> bool: ...
+
+    def admit(self, session: Session, op: rpc.BatchOp) -> Admission: ...
+
+    def refuse(self, request: Any, refusal: Refusal) -> Awaitable[Any] | None: ...
+
+    async def record_refusal(self, request: Any, refusal: Refusal) -> bool: ...
+
+
 class EngineApi(Protocol):
     """What the server needs from the node behind it (daemon/node/runtime.py ``Node``).
 
-    ``handlers`` maps each request type to the call that serves it
-    (daemon/node/engine_rpc.py); it is read when the server starts serving,
-    once the node is open.
+    ``calls`` serves the engine calls; it is read when the server starts
+    serving, once the node is open.
     """
 
     config: Config
     fatal: BaseException | None
     boot_id: str
 
-    def handlers(self) -> Mapping[type, Handler]: ...
-
-    async def record_refusal(self, request: rpc.Request, refusal: Refusal) -> bool: ...
+    @property
+    def calls(self) -> EngineCalls: ...
 
     def engine_disconnected(self, session: Session) -> None: ...
 
@@ -182,7 +200,7 @@ class EngineServer:
             raise
 
     async def start(self) -> None:
-        self._handlers.update(self.node.handlers())
+        self._handlers.update(self.node.calls.handlers())
         await self.bind()
         assert self._server is not None
         await self._server.start_serving()
@@ -306,12 +324,20 @@ class EngineServer:
         )
 
     def _submit_batch(self, session: Session, batch: rpc.Batch, clog: Any) -> None:
-        """Each op as if it came alone (same order rules); one reply frame for all.
+        """One task admits every op in one pass, then answers them in one frame.
 
-        The ops are submitted in the loop pass that read the frame, so their
-        records join the same group commit, as a burst of single frames'
-        would; the BatchReply waits for the last op's reply.
+        The batch runs after whatever came before about any of its requests
+        (and before what comes after); its ops are checked and appended in
+        order, with no await in between, so their records share one group
+        commit; the BatchReply leaves once the last is durable. A batch with
+        an op that must wait before it is admitted (a peer dialled on demand)
+        runs each op as if it came alone instead.
         """
+        calls = self.node.calls
+        if not any(calls.waits_first(op) for op in batch.ops):
+            keys = {op.request_id for op in batch.ops}
+            session.requests.submit_many(self._run_batch(session, batch, clog), keys)
+            return
         answers = [
             session.requests.submit(self._answer(session, op, clog), op.request_id)
             for op in batch.ops
@@ -319,6 +345,43 @@ class EngineServer:
         task = asyncio.ensure_future(self._reply_batch(session, batch.id, answers))
         session.batches.add(task)
         task.add_done_callback(session.batches.discard)
+
+    async def _run_batch(self, session: Session, batch: rpc.Batch, clog: Any) -> None:
+        admitted = [self._admit(session, op, clog) for op in batch.ops]
+        replies = []
+        for op, admission in zip(batch.ops, admitted, strict=True):
+            reply = await self._finish(session, op, admission, clog)
+            if reply is None:
+                return  # the connection was closed instead (engine.accepted)
+            replies.append(reply)
+        session.send(rpc.BatchReply(batch.id, tuple(replies)))  # type: ignore[arg-type]
+
+    def _admit(self, session: Session, op: rpc.BatchOp, clog: Any) -> Any:
+        """Admission, or (refusal, its Refused record's commit), or the error reply."""
+        calls = self.node.calls
+        try:
+            return calls.admit(session, op)
+        except Refusal as refusal:
+            return refusal, calls.refuse(op, refusal)
+        except Exception as exc:
+            return self._error(op, exc, clog)
+
+    async def _finish(
+        self, session: Session, op: rpc.BatchOp, admission: Any, clog: Any
+    ) -> rpc.Reply | None:
+        if isinstance(admission, rpc.Error):
+            return admission
+        try:
+            if isinstance(admission, tuple):
+                refusal, refused = admission
+                if refused is None:
+                    return rpc.Error(op.id, rpc.SHUTTING_DOWN, "the journal failed")
+                await refused
+                return rpc.Error(op.id, refusal.reason.value, refusal.message)
+            reply = await admission.finish()
+        except Exception as exc:
+            return self._error(op, exc, clog)
+        return self._accepted(session, reply)
 
     async def _reply_batch(
         self, session: Session, batch_id: int, answers: list[asyncio.Task[rpc.Reply | None]]
@@ -339,7 +402,9 @@ class EngineServer:
 
     async def _answer(self, session: Session, request: Any, clog: Any) -> rpc.Reply | None:
         """The reply to one request; None if the connection was closed instead."""
-        reply = await self._dispatch(session, request, clog)
+        return self._accepted(session, await self._dispatch(session, request, clog))
+
+    def _accepted(self, session: Session, reply: rpc.Reply) -> rpc.Reply | None:
         if isinstance(reply, rpc.RequestAccepted):
             try:
                 failpoints.hit("engine.accepted")
@@ -358,16 +423,19 @@ class EngineServer:
         except Refusal as refusal:
             # Journaled (durably, before the engine hears of it) so that a
             # postmortem sees every refusal in order, not only the engine.
-            if not await self.node.record_refusal(request, refusal):
+            if not await self.node.calls.record_refusal(request, refusal):
                 return rpc.Error(request.id, rpc.SHUTTING_DOWN, "the journal failed")
             return rpc.Error(request.id, refusal.reason.value, refusal.message)
-        except RegionError as exc:
-            return rpc.Error(request.id, exc.code or rpc.BAD_REGION, str(exc))
         except Exception as exc:
-            if self.node.fatal is not None:
-                return rpc.Error(request.id, rpc.SHUTTING_DOWN, "the journal failed")
-            clog.exception("request failed", op=type(request).__name__)
-            return rpc.Error(request.id, rpc.INTERNAL, f"{type(exc).__name__}: {exc}")
+            return self._error(request, exc, clog)
+
+    def _error(self, request: Any, exc: Exception, clog: Any) -> rpc.Error:
+        if isinstance(exc, RegionError):
+            return rpc.Error(request.id, exc.code or rpc.BAD_REGION, str(exc))
+        if self.node.fatal is not None:
+            return rpc.Error(request.id, rpc.SHUTTING_DOWN, "the journal failed")
+        clog.exception("request failed", op=type(request).__name__)
+        return rpc.Error(request.id, rpc.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     async def _hello(self, session: Session, req: rpc.Hello) -> rpc.Reply:
         if req.protocol not in rpc.SUPPORTED_PROTOCOLS:

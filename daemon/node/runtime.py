@@ -38,7 +38,6 @@ from daemon.journal.writer import Journal
 from daemon.node.counters import RefusalCounter, merged
 from daemon.node.deadlines import Deadlines
 from daemon.node.engine_rpc import EngineRpc
-from daemon.node.engine_server import Handler
 from daemon.node.engine_state import EngineSession, EngineState
 from daemon.node.engines import Engines
 from daemon.node.integrity import Integrity
@@ -57,7 +56,7 @@ from schemas.config import Config
 from schemas.events import DaemonStarted, Event, Released
 from schemas.reasons import Reason
 from schemas.status import StatusDocument
-from statemachine import Refusal, Registry
+from statemachine import Registry
 from statemachine.reactions import Cause, Stimulus, Why, react, react_pending
 
 log = structlog.get_logger("kvpushd.node")
@@ -320,15 +319,7 @@ class Node:
         self.log.debug("journal write failed; stopping", error=str(exc))
         self.on_fatal(exc)
 
-    # ------------------------------------------- the engine server's calls
-
-    def handlers(self) -> dict[type, Handler]:
-        return self.calls.handlers()
-
-    async def record_refusal(self, request: Any, refusal: Refusal) -> bool:
-        if not hasattr(self, "calls"):
-            return False  # not opened: nothing can be journaled
-        return await self.calls.record_refusal(request, refusal)
+    # ----------------------------------------------------- for the engine server
 
     def engine_disconnected(self, session: EngineSession) -> None:
         self.engines.disconnected(session)

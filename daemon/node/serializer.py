@@ -15,7 +15,7 @@ it must not be dispatched once the daemon decided to stop it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine, Hashable
+from collections.abc import Callable, Collection, Coroutine, Hashable
 from typing import Any
 
 Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
@@ -59,6 +59,30 @@ class KeyedSerializer:
             self._since_barrier.add(task)
         task.add_done_callback(lambda t: self._done(t, key))
         return task
+
+    def submit_many(
+        self, coro: Coroutine[Any, Any, Any], keys: Collection[Hashable]
+    ) -> asyncio.Task[Any]:
+        """Run ``coro`` after the last task of every key in ``keys`` (a batch's requests).
+
+        Until it ends, a task submitted with any of those keys runs after it.
+        """
+        candidates = (self._barrier, *(self._last.get(key) for key in keys))
+        waits = [t for t in candidates if t is not None and not t.done()]
+        task = self._spawn(_after(list(dict.fromkeys(waits)), coro))
+        self.inflight.add(task)
+        for key in keys:
+            self._last[key] = task
+        self._since_barrier.add(task)
+        task.add_done_callback(lambda t: self._done_many(t, keys))
+        return task
+
+    def _done_many(self, task: asyncio.Task[Any], keys: Collection[Hashable]) -> None:
+        self.inflight.discard(task)
+        self._since_barrier.discard(task)
+        for key in keys:
+            if self._last.get(key) is task:
+                del self._last[key]
 
     def _done(self, task: asyncio.Task[Any], key: Hashable | None) -> None:
         self.inflight.discard(task)

@@ -103,33 +103,43 @@ class Transfers:
 
     async def advance(self, request_id: str) -> None:
         """Pusher: trim once both sides are known, write once the KV is ready."""
+        committed = self.step(request_id)
+        if committed is not None:
+            await committed
+            # Durable: a trim's wait is over (kv_ready may have come meanwhile),
+            # a refusal's notices went out; go on if the record allows.
+            self.step(request_id)
+
+    def step(self, request_id: str) -> Commit | None:
+        """Trim and start the write as far as the record allows, without waiting.
+
+        Returns a commit the caller must await (its notices go out only
+        then): a refused trim, or a trim whose KV is not ready yet. Nothing
+        waits on the journal again until kv_ready, which may be long: without
+        that await (found by tests/test_load.py) an idle daemon's journal
+        lagged its registry by every such trim.
+        """
         ledger = self._ledger
         record = ledger.registry.get(request_id)
         if record is None:
-            return
+            return None
         if pusher_next(record) is Next.TRIM:
             try:
                 trimmed = ledger.registry.plan_trim(record.request_id, record.incarnation)
             except TrimRefused as refusal:
                 refused = refusal.journaled(record.request_id, record.incarnation, record.engine_id)
-                # One commit, no await in between: another advance() of the same
+                # One commit, no await in between: another step() of the same
                 # request must find it failed, not trim (and refuse) it again.
                 failed = react(record, Stimulus.FAILURE, Why(refusal.reason, refusal.message))
-                await ledger.commit([refused, *failed], Stimulus.FAILURE.cause)
-                return
+                return ledger.commit([refused, *failed], Stimulus.FAILURE.cause)
             committed = ledger.commit([trimmed])
             record = ledger.registry.get(request_id)
             assert record is not None
             if not record.kv_ready:
-                # Nothing waits on the journal again until kv_ready, which may
-                # be long: without this (found by tests/test_load.py) an idle
-                # daemon's journal lagged its registry by every such trim.
-                await committed
-                record = ledger.registry.get(request_id)
-                if record is None:
-                    return
+                return committed
         if pusher_next(record) is Next.WRITE and request_id not in self.writes:
             self._start_write(record)
+        return None
 
     def _start_write(self, record: RequestRecord) -> None:
         assert record.src is not None
