@@ -165,9 +165,12 @@ class RpcConn:
         """The next reply (events are kept aside), or None at EOF."""
         while True:
             message = self.recv()
-            if message is None or not isinstance(message, rpc.Event):
+            if isinstance(message, rpc.Events):
+                self.events.extend(message.events)  # protocol 2: one frame of events
+            elif message is None or not isinstance(message, rpc.Event):
                 return message
-            self.events.append(message)
+            else:
+                self.events.append(message)
 
     def exchange(self, data: bytes, n_replies: int) -> list[rpc.Reply]:
         """Send ``data`` and read ``n_replies`` replies while it is being sent."""

@@ -20,8 +20,9 @@ from schemas.layout import Role
 from schemas.reasons import Reason
 from schemas.status import StatusDocument
 
-# 2 adds Batch / BatchReply. A daemon answers a Hello with the version it
-# will speak on that connection: the client's, if it supports it.
+# 2 adds Batch / BatchReply, and Events (a loop iteration's events in one
+# frame). A daemon answers a Hello with the version it will speak on that
+# connection: the client's, if it supports it.
 PROTOCOL_VERSION: Final = 2
 SUPPORTED_PROTOCOLS: Final = frozenset({1, 2})
 BATCH_PROTOCOL: Final = 2
@@ -37,7 +38,8 @@ class _Request(msgspec.Struct, frozen=True, tag_field="op", forbid_unknown_field
 
 class Hello(_Request, frozen=True, tag="hello"):
     client: str = ""
-    protocol: int = PROTOCOL_VERSION
+    # A client that names no version speaks 1: single frames, as before 2.
+    protocol: int = 1
 
 
 class RegisterEngine(_Request, frozen=True, tag="register_engine"):
@@ -244,4 +246,12 @@ class BatchReply(_Reply, frozen=True, tag="batch_reply"):
 
 Reply = Ok | HelloOk | RequestAccepted | Deferred | StatusReply | Error | BatchReply
 Event = KvArrived | BlocksFreeable | RequestFailed | Released
-ServerMessage = Reply | Event
+
+
+class Events(msgspec.Struct, frozen=True, tag_field="kind", tag="events"):
+    """Protocol 2: the events one loop iteration produced for a connection, in order."""
+
+    events: tuple[Event, ...]
+
+
+ServerMessage = Reply | Event | Events

@@ -11,6 +11,7 @@ loopback, simulated engines over real NIXL writes, bytes verified.
 from __future__ import annotations
 
 import asyncio
+import socket
 import struct
 import uuid
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ import msgspec
 import pytest
 
 from daemon.client.errors import RpcError
+from daemon.node.engine_server import Session
 from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
 from daemon.sim.launcher import wait_idle
 from schemas import rpc
@@ -212,3 +214,46 @@ async def test_a_batchs_records_share_one_group_commit(counted_pair) -> None:
     assert client.batches_sent == sent + 1
     assert delta(before, middle, "kvpushd_fsync_seconds_count") >= 16
     assert delta(middle, after, "kvpushd_fsync_seconds_count") <= 2
+
+
+async def _session_frames(protocol: int) -> list[rpc.ServerMessage]:
+    """Events and a reply sent on a real socket in one loop iteration, as the client reads them."""
+    ours, theirs = socket.socketpair()
+    _, writer = await asyncio.open_connection(sock=ours)
+    reader, other = await asyncio.open_connection(sock=theirs)
+    session = Session(writer, 0, 0, 0)
+    session.protocol = protocol
+    decoder = msgspec.msgpack.Decoder(rpc.ServerMessage)
+    try:
+        session.send_event(rpc.KvArrived("a", 1))
+        session.send_event(rpc.BlocksFreeable("b", 1))
+        session.send(rpc.Ok(5))  # the two events above leave before it
+        session.send_event(rpc.Released("c", 1))
+        await asyncio.sleep(0.05)
+        session.close()
+        frames = []
+        while header := await reader.read(4):
+            (length,) = struct.unpack(">I", header)
+            frames.append(decoder.decode(await reader.readexactly(length)))
+        return frames
+    finally:
+        other.close()
+
+
+async def test_a_sessions_events_of_one_iteration_leave_as_one_frame_in_order() -> None:
+    frames = await _session_frames(protocol=2)
+    assert frames == [
+        rpc.Events((rpc.KvArrived("a", 1), rpc.BlocksFreeable("b", 1))),
+        rpc.Ok(5),
+        rpc.Released("c", 1),  # alone: no frame of one
+    ]
+
+
+async def test_a_protocol_1_session_sends_each_event_alone() -> None:
+    frames = await _session_frames(protocol=1)
+    assert frames == [
+        rpc.KvArrived("a", 1),
+        rpc.BlocksFreeable("b", 1),
+        rpc.Ok(5),
+        rpc.Released("c", 1),
+    ]

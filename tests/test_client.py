@@ -973,3 +973,14 @@ async def test_a_single_call_after_batched_ones_leaves_after_them_with_fake_daem
         assert _kinds(daemon) == [rpc.Hello, rpc.Batch, rpc.Status]
     finally:
         await client.close()
+
+
+async def test_a_frame_of_events_is_delivered_one_by_one_in_order_with_fake_daemon(
+    daemon: FakeDaemon, client: EngineClient
+) -> None:
+    await daemon.conns[0].send(
+        rpc.Events((rpc.KvArrived("a", 1), rpc.RequestFailed("b", 2, Reason.ABORTED, "x")))
+    )
+    first, second = await client.next_event(timeout=5), await client.next_event(timeout=5)
+    assert first == rpc.KvArrived("a", 1)
+    assert isinstance(second, rpc.RequestFailed) and second.request_id == "b"

@@ -177,7 +177,7 @@ class EngineClient:
         return client
 
     async def _hello(self, client_name: str) -> None:
-        hello = rpc.Hello(self._next_id(), client=client_name)
+        hello = rpc.Hello(self._next_id(), client=client_name, protocol=rpc.PROTOCOL_VERSION)
         try:
             reply = await self._call(hello, rpc.HelloOk)
         except RpcError as exc:
@@ -472,6 +472,10 @@ class EngineClient:
             message, rpc.KvArrived | rpc.BlocksFreeable | rpc.RequestFailed | rpc.Released
         ):
             self._deliver(message)
+            return
+        if isinstance(message, rpc.Events):
+            for event in message.events:
+                self._deliver(event)
             return
         if type(message) is rpc.BatchReply:
             for reply in message.replies:

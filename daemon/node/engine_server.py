@@ -84,14 +84,32 @@ class Session:
         self.requests = KeyedSerializer()
         # Batches waiting for their ops' replies (EngineServer._submit_batch).
         self.batches: set[asyncio.Task[None]] = set()
+        self.protocol = 1  # what its Hello said (protocol 2: events leave batched)
+        self._events: list[rpc.Event] = []
 
     def send(self, message: Any) -> None:
         failpoints.hit("engine.reply")
         if self.closed or self.writer.is_closing():
             return
+        if self._events:
+            self._send_events()  # sent before this reply: they leave before it
         self.frames.send(message)
 
-    send_event = send
+    def send_event(self, event: rpc.Event) -> None:
+        """An event; on protocol 2 those of one loop iteration leave as one frame."""
+        if self.protocol < rpc.BATCH_PROTOCOL:
+            self.send(event)
+            return
+        if not self._events:
+            asyncio.get_running_loop().call_soon(self._send_events)
+        self._events.append(event)
+
+    def _send_events(self) -> None:
+        events, self._events = self._events, []
+        if not events or self.closed or self.writer.is_closing():
+            return
+        failpoints.hit("engine.reply")
+        self.frames.send(events[0] if len(events) == 1 else rpc.Events(tuple(events)))
 
     def flush(self) -> None:
         """Hand what was sent to the socket now, not at the end of this loop iteration."""
@@ -100,6 +118,7 @@ class Session:
 
     def close(self) -> None:
         if not self.closed:
+            self._send_events()
             self.flush()  # what was sent before the close still leaves
         self.closed = True
         with contextlib.suppress(Exception):
@@ -446,6 +465,7 @@ class EngineServer:
                 f"protocol {req.protocol} not supported, this daemon speaks {speaks}",
             )
         # The client's own version: the one this connection speaks from now on.
+        session.protocol = req.protocol
         return rpc.HelloOk(req.id, self.node.config.node, req.protocol, VERSION, self.node.boot_id)
 
     async def _status(self, session: Session, req: rpc.Status) -> rpc.Reply:
