@@ -67,13 +67,16 @@ lint: $(STAMP)
 # NIXL interleaved: pushes, lifecycle rate and CPU, added latency, idle CPU);
 # profile_lifecycle says where a lifecycle's CPU goes; verify_bench (issue 15)
 # what end-to-end checksums cost; staging_copy (issue 22) host staging's block
-# copies. Run on an idle machine.
+# copies. Run on an idle machine. With two CPUs or more, daemon_bench runs
+# again pinned as an operator deploys it (issue 25: both daemons and bare
+# NIXL on CPU 1, the engines on CPU 0: "Daemon vs bare NIXL, pinned").
 bench: $(STAMP)
 	$(BIN)/python -m bench.journal_bench
 	$(BIN)/python -m bench.core_bench
 	$(BIN)/python -m bench.replay_bench
 	$(BIN)/python -m bench.nixl_bare
 	$(BIN)/python -m bench.daemon_bench
+	if [ "$$(nproc)" -ge 2 ]; then $(BIN)/python -m bench.daemon_bench --daemon-cpus 1 --engine-cpus 0; fi
 	$(BIN)/python -m bench.verify_bench
 	$(BIN)/python -m bench.profile_lifecycle
 	$(BIN)/python -m bench.staging_copy

@@ -31,8 +31,16 @@ daemon adds is its p50 (p99) minus bare NIXL's p50 (p99) of the same pair.
 
     .venv/bin/python -m bench.daemon_bench [--pairs 5] [--runs 3] [--no-record]
     .venv/bin/python -m bench.daemon_bench --quick   # smoke run, never recorded
+    .venv/bin/python -m bench.daemon_bench --daemon-cpus 1 --engine-cpus 0
 
-Results go to bench/RESULTS.md ("Daemon vs bare NIXL").
+Pinned (``--daemon-cpus``), the run is deployed as an operator would: both
+daemons (every thread) on the daemon CPUs, the way ``cpu_affinity`` or the
+unit's ``CPUAffinity=`` places them, and the engines (this process) on
+``--engine-cpus``; bare NIXL's two processes run on the daemon CPUs too, so
+the two sides of a pair share the same cores.
+
+Results go to bench/RESULTS.md ("Daemon vs bare NIXL", or "Daemon vs bare
+NIXL, pinned").
 """
 
 from __future__ import annotations
@@ -53,8 +61,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.nixl_bare import MIB, BareResult, run_bare
+from bench.nixl_bare import MIB, BareResult, pin_here, run_bare
 from bench.results import load_average, machine, write_section
+from daemon.affinity import format_cpu_list, parse_cpu_list
 from daemon.client import EngineClient
 from daemon.dataplane.memory import create_shm_file
 from daemon.journal.stats import percentile
@@ -79,6 +88,9 @@ class Settings:
     requests: int
     single: int
     idle_s: float
+    # Pinned runs: the daemons' and bare NIXL's CPUs, and the engines' (empty: not pinned).
+    daemon_cpus: frozenset[int] = frozenset()
+    engine_cpus: frozenset[int] = frozenset()
 
     @property
     def total(self) -> int:
@@ -364,10 +376,14 @@ def bare_in_child(**kwargs: Any) -> list[BareResult]:
 
 def bare_round(s: Settings) -> dict[Any, float]:
     out: dict[Any, float] = {}
-    for r in bare_in_child(block_sizes=BLOCKS, total_bytes=s.total, runs=s.runs, layouts=LAYOUTS):
+    cpus = s.daemon_cpus or None
+    pushes = bare_in_child(
+        block_sizes=BLOCKS, total_bytes=s.total, runs=s.runs, layouts=LAYOUTS, cpus=cpus
+    )
+    for r in pushes:
         out[("push", r.block_bytes, r.layout)] = r.gbps
     (one,) = bare_in_child(
-        block_sizes=(SMALL,), total_bytes=SMALL, runs=s.single, layouts=("contiguous",)
+        block_sizes=(SMALL,), total_bytes=SMALL, runs=s.single, layouts=("contiguous",), cpus=cpus
     )
     out["p50"], out["p99"] = pct(list(one.seconds), 50), pct(list(one.seconds), 99)
     return out
@@ -469,7 +485,11 @@ def _pair_line(i: int, a: dict[Any, float], b: dict[Any, float]) -> str:
 async def interleaved(s: Settings, workdir: Path) -> tuple[list[dict], list[dict]]:
     daemon_rounds: list[dict[Any, float]] = []
     bare_rounds: list[dict[Any, float]] = []
+    # The daemons inherit this thread's affinity at exec, as under CPUAffinity=;
+    # then this process (the engines) moves to its own CPUs.
+    pin_here(s.daemon_cpus or None)
     pair = start_pair(workdir)
+    pin_here(s.engine_cpus or None)
     side = DaemonSide(pair, s)
     try:
         await side.open()
@@ -493,6 +513,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, help=f"lifecycles (default {FULL.requests})")
     parser.add_argument("--single", type=int, help=f"lone requests (default {FULL.single})")
     parser.add_argument("--idle-s", type=float, help=f"idle window (default {FULL.idle_s})")
+    parser.add_argument(
+        "--daemon-cpus", type=parse_cpu_list, help="pin both daemons and bare NIXL (e.g. 1)"
+    )
+    parser.add_argument(
+        "--engine-cpus", type=parse_cpu_list, help="pin the engines, this process (e.g. 0)"
+    )
     parser.add_argument("--no-record", action="store_true", help="do not update bench/RESULTS.md")
     args = parser.parse_args(argv)
     base = QUICK if args.quick else FULL
@@ -503,9 +529,13 @@ def main(argv: list[str] | None = None) -> None:
         requests=args.requests or base.requests,
         single=args.single or base.single,
         idle_s=args.idle_s or base.idle_s,
+        daemon_cpus=args.daemon_cpus or frozenset(),
+        engine_cpus=args.engine_cpus or frozenset(),
     )
     if s.pairs < 1 or s.runs < 1 or s.total % MIB:
         parser.error("--pairs and --runs must be >= 1, --total-mib a whole number of MiB")
+    if bool(s.daemon_cpus) != bool(s.engine_cpus) or s.daemon_cpus & s.engine_cpus:
+        parser.error("--daemon-cpus and --engine-cpus go together, on different CPUs")
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     with tempfile.TemporaryDirectory() as tmp:
         daemon_rounds, bare_rounds = asyncio.run(interleaved(s, Path(tmp)))
@@ -529,7 +559,15 @@ def main(argv: list[str] | None = None) -> None:
         f"requests: {s.single} per pair; idle: {s.idle_s:g} s with the engines connected, threads' "
         f"run time from /proc/PID/task/*/schedstat"
     )
-    write_section("Daemon vs bare NIXL", context, body)
+    title = "Daemon vs bare NIXL"
+    if s.daemon_cpus:
+        title += ", pinned"
+        context += (
+            f"\n- pinned: both daemons (every thread, inherited at exec as under the unit's "
+            f"CPUAffinity=) and both bare NIXL processes on CPU {format_cpu_list(s.daemon_cpus)}, "
+            f"the engines (the bench process) on CPU {format_cpu_list(s.engine_cpus)}"
+        )
+    write_section(title, context, body)
 
 
 if __name__ == "__main__":

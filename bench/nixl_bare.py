@@ -13,7 +13,11 @@ Two destination layouts: "contiguous" (block i -> block i: NIXL merges the
 whole transfer into one descriptor) and "scattered" (a fixed random
 permutation of destination blocks, as in a real block pool: no merging).
 
-    .venv/bin/python -m bench.nixl_bare [--total-mib 256] [--runs 5] [--no-record]
+    .venv/bin/python -m bench.nixl_bare [--total-mib 256] [--runs 5] [--cpus 1] [--no-record]
+
+``--cpus`` pins both processes (each agent and every thread it starts) to
+those CPUs, as ``cpu_affinity`` (or the unit's ``CPUAffinity=``) pins a
+daemon: the comparison for a daemon deployed off the engines' cores.
 
 The daemon bench compares against :func:`run_bare`.
 """
@@ -36,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from bench.results import machine, write_section
+from daemon.affinity import format_cpu_list, parse_cpu_list
 from daemon.dataplane.memory import SHM_ROOT, MappedRegion, create_shm_file, map_dram_region
 from daemon.sim.hosts import enter_for_good
 
@@ -88,6 +93,16 @@ def set_timer_slack(ns: int | None) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_TIMERSLACK) failed")
 
 
+def pin_here(cpus: frozenset[int] | None) -> None:
+    """This thread, and what it starts from now on, on ``cpus`` (None: left as it is).
+
+    Linux threads and processes inherit their creator's affinity: set before
+    the agent exists, it holds for UCX's threads too.
+    """
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
 def _agent(name: str) -> Any:
     from nixl._api import nixl_agent, nixl_agent_config
 
@@ -124,8 +139,10 @@ def _receiver(
     poll_interval_s: float,
     timer_slack_ns: int | None,
     netns: str | None = None,
+    cpus: frozenset[int] | None = None,
 ) -> None:
     """Own a region, poll notifications, check each run's bytes, ack over the pipe."""
+    pin_here(cpus)
     if netns is not None:
         enter_for_good(netns)  # before any thread or agent: they inherit it
     set_timer_slack(timer_slack_ns)
@@ -223,6 +240,7 @@ def run_bare(
     timer_slack_ns: int | None = TIMER_SLACK_NS,
     hosts: tuple[str, str] | None = None,
     env: dict[str, str] | None = None,
+    cpus: frozenset[int] | None = None,
 ) -> list[BareResult]:
     """Measure bare NIXL WRITEs between two processes; one result per (block size, layout).
 
@@ -231,17 +249,26 @@ def run_bare(
     namespaces (daemon/sim/hosts.py) of the sender and the receiver; the
     calling thread moves into the sender's for good. ``env``: set in this
     process (and so the receiver's) before either agent exists (UCX_TLS...).
+    ``cpus``: both processes' CPUs (the calling thread is pinned for good).
     """
     if any(total_bytes % b for b in block_sizes):
         raise ValueError("total_bytes must be a multiple of every block size")
     os.environ.update(env or {})
+    pin_here(cpus)
     if hosts is not None:
         enter_for_good(hosts[0])
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(
         target=_receiver,
-        args=(child, total_bytes, poll_interval_s, timer_slack_ns, hosts[1] if hosts else None),
+        args=(
+            child,
+            total_bytes,
+            poll_interval_s,
+            timer_slack_ns,
+            hosts[1] if hosts else None,
+            cpus,
+        ),
         daemon=True,
     )
     proc.start()
@@ -319,9 +346,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--total-mib", type=int, default=256)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument(
+        "--cpus", type=parse_cpu_list, help="pin both processes to these CPUs (e.g. 1, 0-1)"
+    )
     parser.add_argument("--no-record", action="store_true", help="do not update bench/RESULTS.md")
     args = parser.parse_args()
-    results = run_bare(total_bytes=args.total_mib * MIB, runs=args.runs)
+    results = run_bare(total_bytes=args.total_mib * MIB, runs=args.runs, cpus=args.cpus)
     copy = memcpy_gbps(args.total_mib * MIB, args.runs)
     body = table(results) + f"\n\nFor scale, one in-process memcpy (numpy): {copy:.2f} GB/s."
     print(body)
@@ -335,7 +365,9 @@ def main() -> None:
             " (as the daemon's NIXL worker);"
             f" {args.total_mib} MiB per WRITE with a notification,"
             f" /dev/shm regions, timed make_prepped_xfer -> DONE, median of {args.runs} runs"
-            " after one warm-up\n"
+            " after one warm-up"
+            + (f"; both processes pinned to CPU {format_cpu_list(args.cpus)}" if args.cpus else "")
+            + "\n"
             "- contiguous: NIXL merges the blocks into one descriptor;"
             " scattered: destination blocks randomly permuted, nothing merges"
         )

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from daemon.affinity import pin
 from daemon.dataplane.errors import DataPlaneError
 from daemon.journal.format import JournalCorrupt, JournalFatal, JournalLocked
 from daemon.journal.replay import ReplayError
@@ -299,4 +300,6 @@ async def _cancelled(tasks: list[asyncio.Future[None]]) -> None:
 def run(config: Config) -> int:
     import uvloop
 
+    # Before the loop and the data plane exist: the threads they start inherit it.
+    pin(config.cpu_affinity)
     return uvloop.run(serve(config))

@@ -119,6 +119,10 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     allowed_groups: tuple[PosixId | str, ...] | None = None
     log_level: LogLevel = LogLevel.INFO
     metrics_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0  # 0: no metrics endpoint
+    # The CPUs every thread of the daemon runs on (the event loop, the NIXL
+    # worker, UCX's threads): cores the engines do not use. Empty: not pinned.
+    # Checked against the machine at start-up (daemon/affinity.py).
+    cpu_affinity: tuple[NonNegative, ...] = ()
     journal: JournalConfig = JournalConfig()
     deadlines: Deadlines = Deadlines()
     nixl: NixlConfig = NixlConfig()

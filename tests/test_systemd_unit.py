@@ -59,3 +59,12 @@ def test_example_config_loads():
     assert config.node == "prefill-0"
     assert config.journal.fsync == "batch"
     assert config.peers[0].node == "decode-0"
+
+
+def test_the_unit_says_how_to_pin_the_daemon_but_pins_nothing_itself():
+    # The engines' cores differ per host: a fixed CPUAffinity= would be wrong
+    # on most of them. The commented line shows where it goes and why.
+    assert "CPUAffinity" not in _unit()["Service"]
+    commented = [line for line in UNIT.read_text().splitlines() if line.startswith("#CPUAffinity=")]
+    assert len(commented) == 1
+    assert "cpu_affinity" in UNIT.read_text()
