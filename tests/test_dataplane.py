@@ -725,3 +725,14 @@ def test_indices_follow_group_layer_block_order() -> None:
     assert lidx.dtype == np.int32 and lidx.tolist() == expect_l
     assert ridx.dtype == np.int32 and ridx.tolist() == expect_r
     assert nbytes == LAYERS * (2 * 64 + 32)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_destination_named_twice_is_found_wherever_it_is(seed: int) -> None:
+    from daemon.dataplane.geometry import _named_twice
+
+    rng = np.random.default_rng(seed)
+    ids = rng.permutation(1000)[:300]
+    assert not _named_twice(ids, 1000)
+    ids[rng.integers(1, 300)] = ids[0]
+    assert _named_twice(ids, 1000)
