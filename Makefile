@@ -82,9 +82,11 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.staging_copy
 
 # KvpushdConnector beside vLLM's NixlPushConnector on real vLLM, and a second
-# kvpushd pair with host staging (kv_buffer "host") for its cost (~8 min here).
+# kvpushd pair with host staging (kv_buffer "host") for its cost (~8 min here), then
+# where one P/D request's TTFT goes (bench/pd_legs.py, ~2 min).
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/python -m bench.vllm_pd_bench --host-staging $(ARGS)
+	$(VLLM_BIN)/python -m bench.pd_legs
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis build *.egg-info

@@ -46,6 +46,8 @@ class Routed:
     ttft_s: float
     elapsed_s: float
     params: dict[str, Any]
+    # Of ttft_s, the prefill leg's part (sequential routing only; 0 otherwise).
+    prefill_s: float = 0.0
 
 
 def route(
@@ -65,7 +67,11 @@ def route(
         prompt, max_tokens, request_id=request_id, kv_transfer_params=params, timeout_s=timeout_s
     )
     return Routed(
-        second.token_ids, first.elapsed_s + second.first_token_s, time.monotonic() - started, params
+        second.token_ids,
+        first.elapsed_s + second.first_token_s,
+        time.monotonic() - started,
+        params,
+        prefill_s=first.elapsed_s,
     )
 
 
