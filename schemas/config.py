@@ -11,7 +11,7 @@ of being carried out; rules that relate fields live in ``daemon/config.py``.
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Final
+from typing import Annotated, Final, Literal
 
 import msgspec
 
@@ -70,6 +70,11 @@ class JournalConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     segment_mb: Positive = 64
     snapshot_every: NonNegative = 100_000  # records between snapshots; 0: never
     retain_segments: NonNegative = 2
+    # The on-disk format of the segments this daemon creates: 2 frames each
+    # group commit once (one CRC, one decode); 1 frames each record, and is
+    # what a kvpushd from before format 2 can replay: keep 1 while a
+    # rollback to one may still happen. Either is read.
+    format: Literal[1, 2] = 2
 
 
 class NixlConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -25,7 +25,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from daemon.journal.format import FRAME_OVERHEAD, HEADER_SIZE
+from daemon.journal.format import FRAME_OVERHEAD
 from daemon.journal.writer import FsyncPolicy, Journal
 from daemon.postmortem import progress
 from daemon.postmortem.analyse import Analysis, RequestSummary, analyse, summarize
@@ -44,6 +44,7 @@ from schemas.events import (
     Released,
 )
 from schemas.reasons import Reason
+from tests.support.journals import frames
 from tests.support.journals import read_records as _records
 from tests.support.journals import write_records as _write
 
@@ -211,23 +212,16 @@ def test_skewed_clock_is_corrected(demo, tmp_path):
 # ---------------------------------------------------------------- planted anomalies
 
 
-def _frames(segment: Path) -> list[tuple[int, Record]]:
-    """(offset, record) of every frame of a segment file."""
-    data = segment.read_bytes()
-    offset, found = HEADER_SIZE, []
-    while offset < len(data):
-        length = int.from_bytes(data[offset : offset + 4], "big")
-        payload = data[offset + FRAME_OVERHEAD : offset + FRAME_OVERHEAD + length]
-        found.append((offset, msgspec.msgpack.decode(payload, type=Record)))
-        offset += FRAME_OVERHEAD + length
-    return found
-
-
 def test_torn_tail(demo, tmp_path):
     copy = tmp_path / "decode"
     shutil.copytree(demo["decode"], copy)
     (segment,) = sorted(copy.glob("seg-*.kvj"))
-    offset, last = [(o, r) for o, r in _frames(segment) if isinstance(r.event, Released)][-1]
+    released = [
+        (offset, records)
+        for offset, _, records in frames(segment)
+        if any(isinstance(r.event, Released) for r in records)
+    ]
+    offset, _ = released[-1]
     cut = offset + FRAME_OVERHEAD + 3  # a crash (or a copy) cut the last release short
     size = segment.stat().st_size
     os.truncate(segment, cut)
@@ -237,11 +231,25 @@ def test_torn_tail(demo, tmp_path):
         "decode", segment, offset, cut - offset
     )  # fmt: skip
     assert size > cut
-    # The release was lost: on decode the request never reached released.
-    assert [(s.key[0], s.node, s.state) for s in analysis.never_released] == [
-        (_rid(last), "decode", "done")
-    ]
+    # The releases in the torn frame (one record in format 1, its whole
+    # commit in format 2) were lost: those requests never reached released.
+    lost = {
+        _rid(r)
+        for _, _, records in frames_before_cut(demo["decode"], offset)
+        for r in records
+        if isinstance(r.event, Released)
+    }
+    assert lost
+    assert {(s.key[0], s.node) for s in analysis.never_released} == {
+        (rid, "decode") for rid in lost
+    }
     assert _kinds(analysis) | {"torn": 0, "never_released": 0} == dict.fromkeys(_kinds(analysis), 0)
+
+
+def frames_before_cut(journal: Path, offset: int) -> list[tuple[int, int, list[Record]]]:
+    """The frames of the journal's segment from ``offset`` on (what the cut lost)."""
+    (segment,) = sorted(journal.glob("seg-*.kvj"))
+    return [frame for frame in frames(segment) if frame[0] >= offset]
 
 
 def test_sequence_gap(demo, tmp_path):

@@ -130,6 +130,7 @@ class Node:
             cfg.journal.dir,
             fsync=cfg.journal.fsync,
             segment_bytes=cfg.journal.segment_mb * 1024 * 1024,
+            format=cfg.journal.format,
         )
         replayed = fold_contents(
             self.journal.take_recovered(),
