@@ -440,3 +440,33 @@ def test_counters_merge_under_the_status_names() -> None:
     assert counted["writes_done"] == 2 and counted["refusals"] == 1
     assert all(name.startswith("integrity_") for name in list(counted)[5:])
     assert len(counted) == 12
+
+
+async def test_peers_alone_replace_an_engine_whose_windows_changed_on_the_same_agent(
+    parts: Parts, shm: Any
+) -> None:
+    # Found by the crash soak: the same peer agent back on a new link, with
+    # windows reopened meanwhile, was added the new engine over the old one
+    # ("already added with another layout"); the Hello's list now replaces it.
+    groups, regions = shm
+    peer = DataPlane(f"parts-peer-{uuid.uuid4().hex[:8]}")
+    await peer.start()
+    spec = EngineSpec("dec", groups, tuple(r.spec() for r in regions))
+    mapped = {r.name: map_dram_region(r.spec(), owner_uid=None) for r in regions}
+    try:
+        await peer.add_local_engine(spec, mapped)
+        integrity = parts.integrity()
+        peers = parts.peers(parts.windows(), parts.transfers(integrity), integrity)
+        first = await peer.open_windows("prefill-node", spec, mapped)
+        hello = pm.Hello("decode-node", "boot-1", peer.agent_name, await peer.metadata(), (first,))
+        await peers.peer_up("decode-node", hello)
+        await peer.revoke_windows("prefill-node")
+        second = await peer.open_windows("prefill-node", spec, mapped)
+        assert first != second
+        hello = pm.Hello("decode-node", "boot-1", peer.agent_name, await peer.metadata(), (second,))
+        await peers.peer_up("decode-node", hello)
+        assert peers.states["decode-node"].engines == {"dec": second}
+    finally:
+        await peer.close()
+        for region in mapped.values():
+            region.close()

@@ -154,12 +154,15 @@ class Peers:
         if state.boot_id and state.boot_id != hello.boot_id:
             # A new process: the old one, which knew the revoked windows, is gone.
             await dataplane.drop_revoked(node)
+        known_agent = state.agent_name
         state.agent_name = await dataplane.add_remote_agent(hello.agent_metadata)
         state.boot_id = hello.boot_id
-        state.engines = {}
-        for engine in hello.engines:
-            await dataplane.add_remote_engine(state.agent_name, engine)
-            state.engines[engine.engine_id] = engine
+        if state.agent_name != known_agent:
+            state.engines = {}  # a new agent: none of its engines is registered yet
+        # The same agent back on a new link keeps what is registered for it;
+        # an engine whose windows changed meanwhile is replaced, not added
+        # twice (found by the crash soak: "already added with another layout").
+        await self._sync_engines(state, hello.engines)
         # The link's own "peer_up" line (peerlink) is the one an operator reads.
         log.debug("peer_engines", peer=node, engines=len(hello.engines))
         if not self._port.is_configured(node):
@@ -183,8 +186,12 @@ class Peers:
         state = self.states.get(node)
         if state is None or not state.agent_name:
             return
+        state.agent_name = await self._dataplane.add_remote_agent(metadata)
+        await self._sync_engines(state, engines)
+
+    async def _sync_engines(self, state: PeerState, engines: tuple[RemoteEngine, ...]) -> None:
+        """Make the data plane's view of the peer's engines ``engines``, its whole list."""
         dataplane = self._dataplane
-        state.agent_name = await dataplane.add_remote_agent(metadata)
         for engine in engines:
             known = state.engines.get(engine.engine_id)
             if known == engine:
