@@ -82,8 +82,6 @@ class Session:
         self.closed = False
         # Requests in flight on this connection, in a safe order (see EngineServer._submit).
         self.requests = KeyedSerializer()
-        # Batches waiting for their ops' replies (EngineServer._submit_batch).
-        self.batches: set[asyncio.Task[None]] = set()
         self.protocol = 1  # what its Hello said (protocol 2: events leave batched)
         self._events: list[rpc.Event] = []
 
@@ -126,6 +124,8 @@ class Session:
 
 
 Handler = Callable[[Session, Any], Awaitable[rpc.Reply]]
+# What an op of a batch is answered with (schemas/rpc.py OpReply).
+_OP_REPLIES = (rpc.Ok, rpc.RequestAccepted, rpc.Deferred, rpc.Error)
 
 # Requests one connection may have in flight before the server stops reading it.
 MAX_INFLIGHT_PER_CONNECTION = 1024
@@ -348,25 +348,21 @@ class EngineServer:
         The batch runs after whatever came before about any of its requests
         (and before what comes after); its ops are checked and appended in
         order, with no await in between, so their records share one group
-        commit; the BatchReply leaves once the last is durable. A batch with
-        an op that must wait before it is admitted (a peer dialled on demand)
-        runs each op as if it came alone instead.
+        commit; the BatchReply leaves once the last is durable. An op that
+        must wait before it is admitted (a peer dialled on demand) runs whole
+        where it stands.
         """
-        calls = self.node.calls
-        if not any(calls.waits_first(op) for op in batch.ops):
-            keys = {op.request_id for op in batch.ops}
-            session.requests.submit_many(self._run_batch(session, batch, clog), keys)
-            return
-        answers = [
-            session.requests.submit(self._answer(session, op, clog), op.request_id)
-            for op in batch.ops
-        ]
-        task = asyncio.ensure_future(self._reply_batch(session, batch.id, answers))
-        session.batches.add(task)
-        task.add_done_callback(session.batches.discard)
+        keys = {op.request_id for op in batch.ops}
+        session.requests.submit_many(self._run_batch(session, batch, clog), keys)
 
     async def _run_batch(self, session: Session, batch: rpc.Batch, clog: Any) -> None:
-        admitted = [self._admit(session, op, clog) for op in batch.ops]
+        calls = self.node.calls
+        admitted = []
+        for op in batch.ops:
+            if calls.waits_first(op):
+                admitted.append(await self._dispatch(session, op, clog))
+            else:
+                admitted.append(self._admit(session, op, clog))
         replies = []
         for op, admission in zip(batch.ops, admitted, strict=True):
             reply = await self._finish(session, op, admission, clog)
@@ -388,8 +384,8 @@ class EngineServer:
     async def _finish(
         self, session: Session, op: rpc.BatchOp, admission: Any, clog: Any
     ) -> rpc.Reply | None:
-        if isinstance(admission, rpc.Error):
-            return admission
+        if isinstance(admission, _OP_REPLIES):
+            return self._accepted(session, admission)  # answered already
         try:
             if isinstance(admission, tuple):
                 refusal, refused = admission
@@ -401,18 +397,6 @@ class EngineServer:
         except Exception as exc:
             return self._error(op, exc, clog)
         return self._accepted(session, reply)
-
-    async def _reply_batch(
-        self, session: Session, batch_id: int, answers: list[asyncio.Task[rpc.Reply | None]]
-    ) -> None:
-        replies = await asyncio.gather(*answers, return_exceptions=True)
-        if all(
-            isinstance(r, rpc.Ok | rpc.RequestAccepted | rpc.Deferred | rpc.Error) for r in replies
-        ):
-            session.send(rpc.BatchReply(batch_id, tuple(replies)))  # type: ignore[arg-type]
-        # Otherwise an op was cancelled (the connection or the daemon is
-        # going) or closed the connection (the engine.accepted failpoint):
-        # nobody is left to answer.
 
     async def _reply(self, session: Session, request: Any, clog: Any) -> None:
         reply = await self._answer(session, request, clog)

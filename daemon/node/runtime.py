@@ -25,7 +25,7 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -307,9 +307,6 @@ class Node:
         await self.drain()
         await self.close()
 
-    def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
-        return self.tasks.spawn(coro)
-
     def _journal_failed(self, exc: JournalFatal) -> None:
         # ARCHITECTURE.md: an fsync failure is fatal; exit and replay, never retry.
         if self.fatal is not None:
@@ -326,7 +323,6 @@ class Node:
         self.engines.disconnected(session)
 
     def status(self) -> StatusDocument:
-        journal = getattr(self, "journal", None)
         return status_document(
             node=self.config.node,
             version=VERSION,
@@ -337,7 +333,7 @@ class Node:
             engines=self.engines.by_id,
             links=self.port.links(),
             journal_dir=str(self.config.journal.dir),
-            journal=journal,
+            journal=self.journal,
             counters=merged(self.transfers.counters, self.refusals, self.integrity.counters),
             peer_engines={peer: sorted(p.engines) for peer, p in self.peers.states.items()},
             dataplane=self.dataplane,

@@ -11,8 +11,6 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import structlog
-
 from daemon.dataplane.plane import DataPlaneError
 from daemon.journal.format import JournalFatal
 
@@ -21,7 +19,7 @@ Spawn = Callable[[Awaitable[Any]], "asyncio.Task[Any]"]
 
 class Tasks:
     def __init__(self, log: Any, *, failed: Callable[[], bool] = lambda: False) -> None:
-        self._log = log or structlog.get_logger("kvpushd.node")
+        self._log = log
         self._failed = failed  # the journal failed: data plane errors follow from it
         self._tasks: set[asyncio.Task[Any]] = set()
 
