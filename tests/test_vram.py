@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -368,13 +370,16 @@ def test_worker_registers_vram_with_its_device_with_fake_agent_without_cuda() ->
         worker = Worker("w", "UCX", loop, 1e-4, None, lambda notifs: None)
         agent = FakeAgent()
         worker.st.agent = agent
+        # Without a GPU the device binding is recorded instead of made current.
+        worker.use_device = lambda device: agent.calls.append(("use_device", device, ""))
         worker.add_local(remote, list(regions.values()))
         worker.add_remote_engine("peer", remote)
     finally:
         loop.close()
-    (reg, reg_rows, reg_mem), (local, local_rows, local_mem), (peer, peer_rows, peer_mem) = (
-        agent.calls
-    )
+    bound, *calls = agent.calls
+    # The device's context is current on the worker's thread before NIXL sees VRAM.
+    assert bound == ("use_device", 2, "")
+    (reg, reg_rows, reg_mem), (local, local_rows, local_mem), (peer, peer_rows, peer_mem) = calls
     assert (reg, reg_mem) == ("register_memory", "VRAM")
     assert reg_rows.tolist() == [[0x5000_0000, 64 * 4096, 2]]
     assert (local, local_mem) == ("prep_xfer_dlist:NIXL_INIT_AGENT", "VRAM")
@@ -460,3 +465,44 @@ def test_daemon_refuses_malformed_vram_regions_and_keeps_serving_with_fake_handl
         os.unlink(dram.path)
     assert "offload pools are DRAM only" in message
     _still_serving(daemon, client, [*cases, "vram-offload"])
+
+
+# --------------------------------------------------------------------------
+# UCX's CUDA transports: the runtime is loaded before the NIXL agent exists
+
+_PROBE = (
+    "import os, sys; from daemon.dataplane.vram import load_cuda_before_nixl as f;"
+    " print(f(), 'torch' in sys.modules, os.environ.get('UCX_MEMTYPE_CACHE'))"
+)
+
+
+def _probe(pythonpath: str | None = None, **env_vars: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MEMTYPE_CACHE"} | env_vars
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_torch_is_loaded_before_nixl_exactly_where_it_is_a_cuda_build() -> None:
+    # A CPU build (CI) is never imported: a DRAM-only daemon starts without paying
+    # for it. On a GPU machine torch is loaded and sees the GPU.
+    assert _probe() == ("True True n" if HAS_CUDA else "False False None")
+
+
+def test_a_cuda_build_of_torch_is_loaded_before_nixl_with_fake_torch(tmp_path: Path) -> None:
+    # Stand-in for torch's CUDA build (the H200 check runs the real one): the marker
+    # library makes the data plane import torch, and the answer is torch's own.
+    fake = tmp_path / "torch"
+    (fake / "lib").mkdir(parents=True)
+    (fake / "lib" / "libtorch_cuda.so").write_bytes(b"")
+    (fake / "__init__.py").write_text(
+        "class cuda:\n    @staticmethod\n    def is_available():\n        return True\n"
+    )
+    # UCX's memory-type cache is turned off (it takes IPC-opened VRAM for host
+    # memory), unless the operator chose otherwise.
+    assert _probe(str(tmp_path)) == "True True n"
+    assert _probe(str(tmp_path), UCX_MEMTYPE_CACHE="y") == "True True y"

@@ -44,9 +44,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import os
 import re
 import stat
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Annotated, Final
 
@@ -306,6 +308,49 @@ def open_vram_region(spec: RegionSpec, *, owner_uid: int | None = None) -> VramR
         _ipc_collect()
         raise RegionError(f"region {spec.name!r}: {problem}")
     return VramRegion(spec.name, tensor, spec.device)
+
+
+def load_cuda_before_nixl() -> bool:
+    """Prepare this process for NIXL to register VRAM; True if torch is a CUDA build and sees a GPU.
+
+    Call it before the NIXL agent exists: UCX reads its settings and picks its
+    CUDA transports when its context starts. Two things made the regions that
+    engines share through CUDA IPC registrable on the H200 device machine
+    (bench/RESULTS.md, "Direct VRAM on an H200"): torch's CUDA build loaded
+    first (the nixl wheels do not ship the CUDA runtime UCX's transports load),
+    and UCX's memory-type cache off. That cache learns device memory by hooking
+    the allocations of its own process; a region opened through CUDA IPC was
+    allocated in the engine, so the cache takes it for host memory and NIXL
+    refuses it ("VRAM memory is detected as host by UCX"). With the cache off
+    UCX asks the driver once per registration, which is rare (one per engine
+    region) and off the write path. An operator's own UCX_MEMTYPE_CACHE wins.
+    A CPU build of torch has no ``libtorch_cuda.so``: a DRAM-only daemon never
+    imports torch here.
+    """
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return False
+    if not (Path(spec.origin).parent / "lib" / "libtorch_cuda.so").exists():
+        return False
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
+    return True
+
+
+def use_device_here(device: int) -> None:
+    """Make ``device``'s primary CUDA context current on the calling thread (NIXL's worker).
+
+    CUDA contexts are current per thread, and the regions are opened on the
+    event loop's thread while NIXL registers and moves them on its worker
+    thread: there the driver calls UCX makes must run on the engine's GPU,
+    not on whichever device a fresh thread defaults to (device 0).
+    """
+    import torch
+
+    torch.cuda.set_device(device)
 
 
 def _cuda_torch(spec: RegionSpec) -> ModuleType:

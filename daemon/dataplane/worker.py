@@ -52,8 +52,9 @@ from daemon import failpoints
 from daemon.dataplane.errors import DataPlaneError, TransferError
 from daemon.dataplane.geometry import NIXL_MEM, Region, descriptor_rows
 from daemon.dataplane.memory import MappedRegion
+from daemon.dataplane.vram import load_cuda_before_nixl, use_device_here
 from daemon.dataplane.window import Window
-from schemas.kvlayout import RemoteEngine
+from schemas.kvlayout import MemoryKind, RemoteEngine
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +172,8 @@ class Worker:
         self.on_notifs = on_notifs
         self.queue: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self.st = _WorkerState()
+        # Makes a GPU's context current on this worker's thread (a recorder in CPU tests).
+        self.use_device: Callable[[int], None] = use_device_here
         self.thread = threading.Thread(target=self._run, name=f"nixl-{name}", daemon=True)
         self.started: asyncio.Future[None] = loop.create_future()
         self._stop: Stop | None = None
@@ -330,6 +333,8 @@ class Worker:
     def _create_agent(self) -> Any:
         from nixl._api import nixl_agent, nixl_agent_config
 
+        if load_cuda_before_nixl():
+            log.info("CUDA runtime loaded before NIXL's backend: VRAM regions can be registered")
         config = nixl_agent_config(
             enable_prog_thread=False, enable_listen_thread=False, backends=[self.backend]
         )
@@ -491,6 +496,8 @@ class Worker:
             )
         mem = NIXL_MEM[engine.memory]  # VRAM rows carry the CUDA device index here
         reg_dlists: list[Any] = []
+        if engine.memory is MemoryKind.VRAM:
+            self.use_device(engine.device)
         try:
             for region in regions:
                 rows = np.array([[region.base, region.size, region.device]], dtype=np.uint64)
