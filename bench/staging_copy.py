@@ -12,7 +12,11 @@ until its event completed.
 
 Two block placements: ``contiguous`` (each request's blocks consecutive, as
 a fresh block pool hands them out: one copy per layer and request) and
-``scattered`` (ids drawn at random: a copy per block, the worst case).
+``scattered`` (ids drawn at random: a copy per block, the worst case). Each
+placement is moved both ways the staging knows (``--copies``): ``runs``, a
+copy per run of consecutive ids, and ``gather``, one ``index_select`` and
+``index_copy_`` per layer (on a GPU through the pinned mirror's device
+mapping); ``auto`` picks per step.
 Every round checks the bytes: the mirror's blocks equal the cache's after
 ``out``, and the cache's blocks, zeroed, equal the mirror's after ``in``.
 
@@ -37,7 +41,7 @@ from pathlib import Path
 import torch
 
 from bench.results import load_average, machine, write_section
-from daemon.client.vllm_staging import Staging, block_major
+from daemon.client.vllm_staging import AUTO, GATHER, RUNS, Staging, block_major
 
 TITLE = "Host staging's block copies (bench/staging_copy.py)"
 Step = list[tuple[tuple[int, ...]]]  # one step's requests, each one group's block ids
@@ -90,16 +94,35 @@ def check(staging: Staging, step: Step, direction: str) -> None:
             raise SystemExit(f"staging_copy: {direction}: layer {name}'s blocks differ")
 
 
-def run(args: argparse.Namespace) -> list[tuple[str, str, float, float, int]]:
+Row = tuple[str, str, str, float, float, int]  # placement, copies, direction, GB/s...
+
+
+def run(args: argparse.Namespace) -> list[Row]:
     cache = vllm_cache(
         args.device, args.layers, args.blocks, args.block_size, args.heads, args.head_dim
     )
     views, parts = block_major(cache, args.blocks)
     groups = [[part for name in cache for part in parts[name]]]
     directory = Path(tempfile.mkdtemp(prefix="kvpushd-staging-", dir="/dev/shm"))
-    staging = Staging.create(views, groups, directory / "mirror")
+    rows: list[Row] = []
+    try:
+        for copies in args.copies:
+            rows += _run_copies(args, views, groups, directory / "mirror", copies)
+    finally:
+        directory.rmdir()
+    return rows
+
+
+def _run_copies(
+    args: argparse.Namespace,
+    views: dict[str, torch.Tensor],
+    groups: list[list[str]],
+    path: Path,
+    copies: str,
+) -> list[Row]:
+    staging = Staging.create(views, groups, path, copies=copies)
     rng = random.Random(1)
-    rows = []
+    rows: list[Row] = []
     # Map every mirror page once, as a serving instance's first steps do:
     # the timed steps measure copies, not first-touch page faults.
     staging.copy_out([(tuple(range(args.blocks)),)]).wait()
@@ -121,6 +144,7 @@ def run(args: argparse.Namespace) -> list[tuple[str, str, float, float, int]]:
                 rows.append(
                     (
                         placement,
+                        copies,
                         direction,
                         statistics.median(rates) / 1e9,
                         min(rates) / 1e9,
@@ -128,15 +152,14 @@ def run(args: argparse.Namespace) -> list[tuple[str, str, float, float, int]]:
                     )
                 )
                 print(
-                    f"{placement:10} {direction:3} {rows[-1][2]:7.2f} GB/s median "
-                    f"(min {rows[-1][3]:.2f}) {nbytes} B per step",
+                    f"{placement:10} {copies:6} {direction:3} {rows[-1][3]:7.2f} GB/s median "
+                    f"(min {rows[-1][4]:.2f}) {nbytes} B per step",
                     file=sys.stderr,
                 )
     finally:
         staging.close()
         os.close(staging.lock_fd)
-        (directory / "mirror").unlink()
-        directory.rmdir()
+        path.unlink()
     return rows
 
 
@@ -151,10 +174,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=4, help="requests per step")
     parser.add_argument("--per-request", type=int, default=32, help="blocks per request")
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument(
+        "--copies",
+        type=lambda text: text.split(","),
+        default=[RUNS, GATHER],
+        help=f"comma-separated: {RUNS}, {GATHER}, {AUTO} (default {RUNS},{GATHER})",
+    )
     parser.add_argument("--no-record", action="store_true", help="do not write RESULTS.md")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no GPU")
+    if not set(args.copies) <= {RUNS, GATHER, AUTO}:
+        parser.error(f"--copies: {RUNS}, {GATHER} or {AUTO}, comma-separated")
     rows = run(args)
     if args.no_record:
         return 0
@@ -168,12 +199,13 @@ def main(argv: list[str] | None = None) -> int:
         f"of {args.rounds} steps, each checked byte for byte. `python -m bench.staging_copy`."
     )
     head = (
-        "| blocks | direction | GB/s median | GB/s min | bytes per step |\n|---|---|---|---|---|\n"
+        "| blocks | copies | direction | GB/s median | GB/s min | bytes per step |\n"
+        "|---|---|---|---|---|---|\n"
     )
     body = "".join(
-        f"| {placement} | {'cache -> mirror' if d == 'out' else 'mirror -> cache'} "
+        f"| {placement} | {copies} | {'cache -> mirror' if d == 'out' else 'mirror -> cache'} "
         f"| {median:.2f} | {low:.2f} | {nbytes} |\n"
-        for placement, d, median, low, nbytes in rows
+        for placement, copies, d, median, low, nbytes in rows
     )
     title = TITLE if args.device == "cpu" else f"{TITLE}, {args.device}"
     write_section(title, context, head + body)

@@ -18,7 +18,10 @@ import pytest
 import torch
 
 from daemon.client.vllm_staging import (
+    AUTO,
+    GATHER,
     HOST,
+    RUNS,
     SHARED,
     Staging,
     StagingError,
@@ -42,12 +45,13 @@ def _cache(hybrid: bool = False) -> dict[str, torch.Tensor]:
     return {"model.layers.0.attn": first, "model.layers.1.attn": second}
 
 
-@pytest.fixture
-def staging(tmp_path: Path):
+@pytest.fixture(params=[RUNS, GATHER])
+def staging(tmp_path: Path, request: pytest.FixtureRequest):
+    """Both ways of moving a step's blocks: a copy per run, and a gather per layer."""
     made: list[Staging] = []
 
     def make(cache: dict[str, torch.Tensor], groups) -> Staging:
-        s = Staging.create(cache, groups, tmp_path / "mirror")
+        s = Staging.create(cache, groups, tmp_path / "mirror", copies=request.param)
         made.append(s)
         return s
 
@@ -163,3 +167,17 @@ def test_a_mirror_too_big_for_dev_shm_is_one_clear_error_naming_its_size(small_t
     assert "host staging needs a mirror" in message, message
     assert "bytes are free there" in message and "--shm-size" in message, message
     assert list(small_tmpfs.iterdir()) == []
+
+
+def test_a_cpu_cache_copies_runs_unless_told_and_an_unknown_mode_is_refused(tmp_path: Path) -> None:
+    cache = _cache()
+    auto = Staging.create(cache, [list(cache)], tmp_path / "mirror")
+    try:
+        assert auto.copies == AUTO
+        # Scattered ids on a CPU: still a copy per run (no launch to save).
+        assert not auto._gathers([(0, 1), (2, 3), (4, 5)])
+    finally:
+        auto.close()
+        os.close(auto.lock_fd)
+    with pytest.raises(StagingError, match="copies must be"):
+        Staging.create(cache, [list(cache)], tmp_path / "other", copies="scatter")

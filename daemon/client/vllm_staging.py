@@ -15,11 +15,16 @@ unchanged.
   the load finished (:meth:`Staging.copy_in`).
 
 Copies are batched: one call per step, every request's blocks merged into
-runs of consecutive ids, one copy per (layer, run). On a GPU they go on a
-side stream into pinned host memory and end in an event (:class:`Copy`),
-so vLLM's step never waits on them; on a CPU cache (what this machine
-runs, and what the real-vLLM tests prove the bookkeeping with) the same
-code copies at once, and the copy's cost is the staging's whole cost.
+runs of consecutive ids. Two ways to move them (:data:`RUNS`, :data:`GATHER`):
+one copy per (layer, run), or, where the runs are short, one gather per
+layer (``index_select`` then ``index_copy_``): on a GPU, a copy per 64 KiB
+block is bound by its launch, not by the bus (bench/RESULTS.md, "Direct VRAM
+and host staging's copies on an H200"), while a gather is one kernel that
+reads or writes the pinned mirror through its device mapping. On a GPU the
+copies go on a side stream and end in an event (:class:`Copy`), so vLLM's
+step never waits on them; on a CPU cache (what this machine runs, and what
+the real-vLLM tests prove the bookkeeping with) the same code copies at
+once, and the copy's cost is the staging's whole cost.
 
 :func:`block_major` also serves the shared mode: it finds the block dimension
 of vLLM's layer tensors for both.
@@ -48,6 +53,15 @@ HOST = "host"  # vLLM's cache is its own; the daemon maps a host mirror of it
 KV_BUFFERS = (SHARED, HOST)
 # Each storage's copy starts at a multiple of this in the mirror file.
 _ALIGN = 4096
+# How a step's blocks move: a copy per run of consecutive ids, or a gather per layer.
+RUNS = "runs"
+GATHER = "gather"
+# AUTO gathers a group's blocks on a GPU when its runs average fewer blocks than this.
+AUTO = "auto"
+GATHER_BELOW_RUN = 8
+# cudaHostRegister flags: usable from every context, and mapped into the GPU's
+# address space (the gather's kernels address the mirror there).
+_HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02
 
 Blocks = Sequence[Sequence[int]]  # block ids per KV cache group
 
@@ -116,6 +130,21 @@ class Copy:
             self.event.synchronize()
 
 
+class _Mapped:
+    """Pinned host bytes as the GPU addresses them: enough of CUDA's array interface for torch."""
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        # Registered host memory has the same address on the GPU where the
+        # device can use host pointers (every x86-64 Linux GPU of these years).
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|i1",
+            "data": (address, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
 def runs(ids: Iterable[int]) -> list[tuple[int, int]]:
     """Sorted distinct ids as [first, end) runs of consecutive ids."""
     out: list[tuple[int, int]] = []
@@ -141,21 +170,31 @@ class Staging:
         groups: Sequence[Sequence[str]],
         buffer: torch.Tensor,
         lock_fd: int,
+        copies: str = AUTO,
     ) -> None:
         self.cache = cache
         self.mirror = mirror
         self.groups = [list(names) for names in groups]
         self.buffer = buffer  # the whole mirror file, int8
         self.lock_fd = lock_fd
+        self.copies = copies
         self._cuda = any(t.device.type == "cuda" for t in cache.values())
         self._stream = torch.cuda.Stream() if self._cuda else None
         self._pinned = False
+        # The mirror as the cache's device addresses it (the gather's side of it).
+        self._mirror_here: dict[str, torch.Tensor] = mirror
 
     @classmethod
     def create(
-        cls, cache: dict[str, torch.Tensor], groups: Sequence[Sequence[str]], path: Path
+        cls,
+        cache: dict[str, torch.Tensor],
+        groups: Sequence[Sequence[str]],
+        path: Path,
+        copies: str = AUTO,
     ) -> Staging:
         """Make the mirror file at ``path``: each storage the layers view, back to back."""
+        if copies not in (AUTO, RUNS, GATHER):
+            raise StagingError(f"KvpushdConnector: copies must be {AUTO}, {RUNS} or {GATHER}")
         storages: dict[int, tuple[int, int]] = {}  # data_ptr -> (offset in the file, nbytes)
         size = 0
         for tensor in cache.values():
@@ -182,7 +221,7 @@ class Staging:
             # storage, not from this slice: the storage's own place goes in.
             start = offset // tensor.element_size() + tensor.storage_offset()
             mirror[name] = flat.as_strided(tensor.shape, tensor.stride(), start)
-        staging = cls(cache, mirror, groups, buffer, lock_fd)
+        staging = cls(cache, mirror, groups, buffer, lock_fd, copies)
         staging._pin()
         log.info(
             "kvpushd: host staging: a %d-byte mirror of %d KV storage(s) on %s in %s%s",
@@ -199,21 +238,43 @@ class Staging:
         if not self._cuda:
             return
         ptr, size = self.buffer.data_ptr(), self.buffer.numel()
-        err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+        err = torch.cuda.cudart().cudaHostRegister(ptr, size, _HOST_REGISTER_PORTABLE_MAPPED)
         if int(err) != 0:
             raise StagingError(
                 f"KvpushdConnector: cannot pin the {size}-byte host mirror (cudaHostRegister "
                 f"error {int(err)}): raise the locked-memory limit (ulimit -l) for vLLM"
             )
         self._pinned = True
+        try:
+            self._mirror_here = self._mirror_on_gpu(ptr, size)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            # Then the gather cannot address the mirror; copies per run still can.
+            log.warning(
+                "kvpushd: host staging: the GPU cannot address the pinned mirror (%s);"
+                " blocks move by a copy per run",
+                exc,
+            )
+            self.copies = RUNS
+
+    def _mirror_on_gpu(self, ptr: int, size: int) -> dict[str, torch.Tensor]:
+        device = next(t.device for t in self.cache.values() if t.device.type == "cuda")
+        flat = torch.as_tensor(_Mapped(ptr, size), device=device)
+        return {
+            # Same dtype, shape, strides and offset from the file's start as the
+            # host view: the same bytes, addressed from the GPU.
+            name: flat[: size - size % view.element_size()]
+            .view(view.dtype)
+            .as_strided(view.shape, view.stride(), view.storage_offset())
+            for name, view in self.mirror.items()
+        }
 
     def copy_out(self, requests: Sequence[Blocks]) -> Copy:
         """Cache -> mirror: the blocks of every request in ``requests`` (a prefill's step)."""
-        return self._copy(requests, self.mirror, self.cache, wait_for_compute=True)
+        return self._copy(requests, self._mirror_here, self.cache, wait_for_compute=True)
 
     def copy_in(self, requests: Sequence[Blocks]) -> Copy:
         """Mirror -> cache: the blocks of every load in ``requests`` (a decode's step)."""
-        return self._copy(requests, self.cache, self.mirror, wait_for_compute=False)
+        return self._copy(requests, self.cache, self._mirror_here, wait_for_compute=False)
 
     def _copy(
         self,
@@ -248,6 +309,16 @@ class Staging:
     ) -> int:
         nbytes = 0
         for names, group_runs in zip(self.groups, per_group, strict=True):
+            if not group_runs or not names:
+                continue
+            if self._gathers(group_runs):
+                ids = [b for first, end in group_runs for b in range(first, end)]
+                index = torch.tensor(ids, device=into[names[0]].device)
+                for name in names:
+                    target = into[name]
+                    target.index_copy_(0, index, out_of[name].index_select(0, index))
+                    nbytes += len(ids) * target[0].nbytes
+                continue
             for name in names:
                 target, source = into[name], out_of[name]
                 for first, end in group_runs:
@@ -255,6 +326,14 @@ class Staging:
                     run.copy_(source[first:end], non_blocking=non_blocking)
                     nbytes += run.nbytes
         return nbytes
+
+    def _gathers(self, group_runs: list[tuple[int, int]]) -> bool:
+        if self.copies != AUTO:
+            return self.copies == GATHER
+        if not self._cuda:
+            return False  # a CPU copy has no launch to save
+        blocks = sum(end - first for first, end in group_runs)
+        return blocks < GATHER_BELOW_RUN * len(group_runs)
 
     def close(self) -> None:
         if self._pinned:
