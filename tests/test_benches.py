@@ -155,3 +155,32 @@ def test_verify_bench_quick_prints_every_setting_with_numbers() -> None:
     assert off is not None and off[1] == "0"
     assert every is not None and every[1] == every[2] != "0"
     assert len(re.findall(r"^round \d+: off ", out, re.M)) == 2
+
+
+def test_vllm_ab_reads_the_p_d_bench_first_table_and_only_it() -> None:
+    from bench.vllm_ab import parse
+
+    output = (
+        "| setup | TTFT p50 ms | TTFT p99 ms | TTFT p50 ms, loaded | TTFT p99 ms, loaded"
+        " | req/s loaded, median (min-max) | wrong outputs |\n"
+        "|---|---|---|---|---|---|---|\n"
+        "| single instance | 11.7 | 32.8 | 248 | 349 | 61.2 (61.2-61.2) | 0 / 40 |\n"
+        "| kvpushd | 35.2 | 145.1 | - | 478 | 44.1 (44.1-44.1) | 0 / 40 |\n"
+        "\n"
+        "| connector | decode clients that gave up | a | b | c | d | e |\n"
+        "|---|---|---|---|---|---|---|\n"
+        "| kvpushd | 0 / 0 | 0 | 0 | 0 | 0 | 0 |\n"
+    )
+    rows = parse(output)
+    assert rows == {
+        "single instance": {
+            "TTFT p50 ms": 11.7,
+            "TTFT p99 ms": 32.8,
+            "TTFT p50 ms, loaded": 248.0,
+            "req/s loaded": 61.2,
+        },
+        # A cell the bench left empty ("-") is absent, not zero.
+        "kvpushd": {"TTFT p50 ms": 35.2, "TTFT p99 ms": 145.1, "req/s loaded": 44.1},
+    }
+    with pytest.raises(ValueError, match="no table"):
+        parse("starting the kvpushd pair ...\n")
