@@ -10,7 +10,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_BIN   := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo demo-vllm test test-vllm lint bench bench-vllm clean venv venv-vllm
+.PHONY: demo demo-vllm test test-vllm lint bench bench-vllm bench-ab bench-vllm-ab clean venv venv-vllm
 
 venv: $(STAMP)
 
@@ -87,6 +87,24 @@ bench: $(STAMP)
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/python -m bench.vllm_pd_bench --host-staging $(ARGS)
 	$(VLLM_BIN)/python -m bench.pd_legs
+
+# A change's before/after, interleaved: BEFORE (a commit) against this tree.
+# bench-ab: the daemons' rows (lifecycle rate, CPU, lone latency, idle);
+# bench-vllm-ab: real vLLM P/D, each run with its tree's daemons and connector.
+# BEFORE's checkout is a git worktree in /tmp sharing this tree's environments.
+BEFORE ?= HEAD
+AB_TREE := /tmp/kvpushd-before-$(shell git rev-parse --short $(BEFORE) 2>/dev/null)
+
+$(AB_TREE):
+	git worktree add --detach $@ $(BEFORE)
+	ln -s $(CURDIR)/$(VENV) $@/$(VENV)
+	ln -s $(CURDIR)/$(VLLM_VENV) $@/$(VLLM_VENV)
+
+bench-ab: $(STAMP) $(AB_TREE)
+	$(BIN)/python -m bench.ab_lifecycle --checkout $(AB_TREE) --checkout . --rounds 3
+
+bench-vllm-ab: $(VLLM_STAMP) $(AB_TREE)
+	$(VLLM_BIN)/python -m bench.vllm_ab --checkout $(AB_TREE) --checkout . --rounds 3
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis build *.egg-info

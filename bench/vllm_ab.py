@@ -60,14 +60,16 @@ def parse(table: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def run_once(checkout: Path, out: Path, concurrent: int) -> dict[str, dict[str, float]]:
+def run_once(
+    checkout: Path, out: Path, concurrent: int, bench_rounds: int
+) -> dict[str, dict[str, float]]:
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     argv = [
         str(checkout / ".venv-vllm" / "bin" / "python"),
         "-m",
         "bench.vllm_pd_bench",
         "--rounds",
-        "1",
+        str(bench_rounds),
         "--concurrent",
         str(concurrent),
         "--aborts",
@@ -91,6 +93,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkout", action="append", type=Path, default=[])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrent", type=int, default=24)
+    parser.add_argument(
+        "--bench-rounds",
+        type=int,
+        default=1,
+        help="rounds inside each run (its servers started once): more loaded samples per start",
+    )
     parser.add_argument("--out", type=Path, default=Path("/tmp/kvpushd-vllm-ab"))
     args = parser.parse_args(argv)
     if len(args.checkout) < 2:
@@ -102,7 +110,9 @@ def main(argv: list[str] | None = None) -> None:
         order = checkouts if r % 2 == 0 else checkouts[::-1]
         for i, checkout in enumerate(order):
             began = time.monotonic()
-            result = run_once(checkout, args.out / f"r{r + 1}-{i + 1}.txt", args.concurrent)
+            result = run_once(
+                checkout, args.out / f"r{r + 1}-{i + 1}.txt", args.concurrent, args.bench_rounds
+            )
             runs[checkout].append(result)
             print(
                 f"round {r + 1} {checkout}: {result} ({time.monotonic() - began:.0f} s,"
