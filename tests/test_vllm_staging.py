@@ -181,3 +181,28 @@ def test_a_cpu_cache_copies_runs_unless_told_and_an_unknown_mode_is_refused(tmp_
         os.close(auto.lock_fd)
     with pytest.raises(StagingError, match="copies must be"):
         Staging.create(cache, [list(cache)], tmp_path / "other", copies="scatter")
+
+
+def test_a_gather_moves_its_blocks_in_chunks_of_bounded_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import daemon.client.vllm_staging as staging_module
+
+    # Two blocks a chunk: a scattered step of five blocks takes three gathers
+    # per layer, and every block still lands, and only those.
+    cache = _cache()
+    block = cache["model.layers.0.attn"][0].nbytes
+    monkeypatch.setattr(staging_module, "GATHER_CHUNK_BYTES", 2 * block)
+    s = Staging.create(cache, [list(cache)], tmp_path / "mirror", copies=GATHER)
+    try:
+        ids = [1, 3, 4, 7, 10]
+        copied = s.copy_out([[ids]])
+        assert copied.nbytes == 2 * len(ids) * block
+        for name, layer in cache.items():
+            mirror = s.mirror[name]
+            assert torch.equal(mirror[ids], layer[ids])
+            others = [b for b in range(BLOCKS) if b not in ids]
+            assert not mirror[others].any()
+    finally:
+        s.close()
+        os.close(s.lock_fd)

@@ -59,6 +59,10 @@ GATHER = "gather"
 # AUTO gathers a group's blocks on a GPU when its runs average fewer blocks than this.
 AUTO = "auto"
 GATHER_BELOW_RUN = 8
+# A gather stages its blocks in a temporary on the cache's device: at most this
+# many bytes a layer at a time, so a long prompt's step never asks vLLM's GPU
+# (most of it vLLM's cache) for one large allocation.
+GATHER_CHUNK_BYTES = 16 << 20
 # cudaHostRegister flags: usable from every context, and mapped into the GPU's
 # address space (the gather's kernels address the mirror there).
 _HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02
@@ -312,12 +316,7 @@ class Staging:
             if not group_runs or not names:
                 continue
             if self._gathers(group_runs):
-                ids = [b for first, end in group_runs for b in range(first, end)]
-                index = torch.tensor(ids, device=into[names[0]].device)
-                for name in names:
-                    target = into[name]
-                    target.index_copy_(0, index, out_of[name].index_select(0, index))
-                    nbytes += len(ids) * target[0].nbytes
+                nbytes += self._gather(names, group_runs, into, out_of)
                 continue
             for name in names:
                 target, source = into[name], out_of[name]
@@ -325,6 +324,26 @@ class Staging:
                     run = target[first:end]
                     run.copy_(source[first:end], non_blocking=non_blocking)
                     nbytes += run.nbytes
+        return nbytes
+
+    def _gather(
+        self,
+        names: list[str],
+        group_runs: list[tuple[int, int]],
+        into: dict[str, torch.Tensor],
+        out_of: dict[str, torch.Tensor],
+    ) -> int:
+        ids = [b for first, end in group_runs for b in range(first, end)]
+        index = torch.tensor(ids, device=into[names[0]].device)
+        nbytes = 0
+        for name in names:
+            target, source = into[name], out_of[name]
+            block = target[0].nbytes
+            step = max(1, GATHER_CHUNK_BYTES // block)
+            for at in range(0, len(ids), step):
+                chunk = index[at : at + step]
+                target.index_copy_(0, chunk, source.index_select(0, chunk))
+            nbytes += len(ids) * block
         return nbytes
 
     def _gathers(self, group_runs: list[tuple[int, int]]) -> bool:
