@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -466,6 +467,52 @@ async def test_peers_alone_replace_an_engine_whose_windows_changed_on_the_same_a
         hello = pm.Hello("decode-node", "boot-1", peer.agent_name, await peer.metadata(), (second,))
         await peers.peer_up("decode-node", hello)
         assert peers.states["decode-node"].engines == {"dec": second}
+    finally:
+        await peer.close()
+        for region in mapped.values():
+            region.close()
+
+
+async def test_peers_fence_a_peer_in_its_turn_never_inside_its_peer_up(
+    parts: Parts, shm: Any
+) -> None:
+    # Found by the crash rounds: a quarantine deadline fenced the peer while
+    # its peer_up was adding its engines; the next peer_up then added an
+    # engine whose windows had changed over the old one ("already added with
+    # another layout"). The deadline's fence now waits for the peer's turn.
+    groups, regions = shm
+    peer = DataPlane(f"parts-peer-{uuid.uuid4().hex[:8]}")
+    await peer.start()
+    spec = EngineSpec("dec", groups, tuple(r.spec() for r in regions))
+    mapped = {r.name: map_dram_region(r.spec(), owner_uid=None) for r in regions}
+    try:
+        await peer.add_local_engine(spec, mapped)
+        integrity = parts.integrity()
+        peers = parts.peers(parts.windows(), parts.transfers(integrity), integrity)
+        first = await peer.open_windows("prefill-node", spec, mapped)
+        hello = pm.Hello("decode-node", "boot-1", peer.agent_name, await peer.metadata(), (first,))
+        peers.on_up("decode-node", hello, None)
+        state = None
+        until = time.monotonic() + 10
+        while time.monotonic() < until:  # until peer_up has its agent, and adds its engines
+            state = peers.states.get("decode-node")
+            if state is not None and state.agent_name:
+                break
+            await asyncio.sleep(0)
+        assert state is not None and state.agent_name
+        await peers.fence_in_turn("decode-node", close_link="a quarantine deadline passed")
+        # The fence came after the whole peer_up: the agent and its engines are gone together.
+        assert state.agent_name == ""
+        assert not [k for k in parts.dataplane._remote_specs if k[1] == "dec"]
+
+        await peer.revoke_windows("prefill-node")
+        second = await peer.open_windows("prefill-node", spec, mapped)
+        hello = pm.Hello("decode-node", "boot-1", peer.agent_name, await peer.metadata(), (second,))
+        peers.on_up("decode-node", hello, None)
+        await peers.fence_in_turn("decode-node", close_link="")  # waits for that peer_up
+        # That peer_up registered the new windows (none left over to collide with)
+        # before this second fence forgot them again.
+        assert state.engines == {"dec": second}
     finally:
         await peer.close()
         for region in mapped.values():

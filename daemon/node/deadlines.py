@@ -97,7 +97,7 @@ class Deadlines:
         elif any(getattr(e, "fenced", False) for e in events):
             # Fence the peer before declaring no write can land any more.
             peer = current.peer
-            await self._peers.fence(peer, close_link="a quarantine deadline passed")
+            await self._peers.fence_in_turn(peer, close_link="a quarantine deadline passed")
             current = ledger.current(due.request_id, due.incarnation)
             if current is not None:
                 await ledger.react(current, Stimulus.DEADLINE)

@@ -225,6 +225,19 @@ class Peers:
             state.agent_name = ""
         await self._windows.revoke(node)
 
+    async def fence_in_turn(self, node: str, *, close_link: str) -> None:
+        """:meth:`fence`, in the peer's turn: after its up and down handling, never inside.
+
+        For callers outside the peer's order (a quarantine deadline). A fence
+        run between a ``peer_up``'s steps forgot the agent that ``peer_up``
+        had just added, so the next ``peer_up`` took that agent's engines for
+        unregistered and added one whose windows had changed over the old
+        ("already added with another layout": found by the crash rounds, a
+        decode restarted at a journal write, its replayed quarantine expiring
+        while the prefill came back).
+        """
+        await self._order.submit(self.fence(node, close_link=close_link), ("peer", node))
+
     async def peer_down(self, node: str, reason: str) -> None:
         """A peer is dead (TTL, disconnect): fence it, fail what depended on it."""
         ledger = self._ledger
