@@ -316,16 +316,17 @@ def load_cuda_before_nixl() -> bool:
     Call it before the NIXL agent exists: UCX reads its settings and picks its
     CUDA transports when its context starts. Two things made the regions that
     engines share through CUDA IPC registrable on the H200 device machine
-    (bench/RESULTS.md, "Direct VRAM on an H200"): torch's CUDA build loaded
-    first (the nixl wheels do not ship the CUDA runtime UCX's transports load),
-    and UCX's memory-type cache off. That cache learns device memory by hooking
-    the allocations of its own process; a region opened through CUDA IPC was
-    allocated in the engine, so the cache takes it for host memory and NIXL
-    refuses it ("VRAM memory is detected as host by UCX"). With the cache off
-    UCX asks the driver once per registration, which is rare (one per engine
-    region) and off the write path. An operator's own UCX_MEMTYPE_CACHE wins.
-    A CPU build of torch has no ``libtorch_cuda.so``: a DRAM-only daemon never
-    imports torch here.
+    (bench/RESULTS.md, "Direct VRAM and host staging's copies on an H200"):
+    torch's CUDA build loaded first (the nixl wheels do not ship the CUDA
+    runtime UCX's transports load), and UCX's memory-type cache off. That
+    cache learns device memory by hooking the allocations of its own
+    process; a region opened through CUDA IPC was allocated in the engine,
+    so the cache takes it for host memory and NIXL refuses it ("VRAM memory
+    is detected as host by UCX"). With the cache off UCX asks the driver
+    once per registration, which is rare (one per engine region) and off the
+    write path. An operator's own UCX_MEMTYPE_CACHE wins. A CPU build of
+    torch has no ``libtorch_cuda.so``: a DRAM-only daemon never imports
+    torch here.
     """
     spec = importlib.util.find_spec("torch")
     if spec is None or spec.origin is None:
