@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -131,15 +130,18 @@ def main(argv: list[str] | None = None) -> None:
             result = json.loads(done.stdout.strip().splitlines()[-1])
             runs[checkout].append(result)
             print(json.dumps({"round": r + 1, "checkout": str(checkout), **result}), flush=True)
+    # Imported here: a child runs this file in an older checkout, whose
+    # bench/results.py may lack it.
+    from bench.results import spread
+
     keys = [k for k in runs[args.checkout[0]][0] if k != "load1"]
     print("| measurement | " + " | ".join(str(c) for c in args.checkout) + " |")
     print("|---|" + "---|" * len(args.checkout))
     for key in keys:
-        cells = []
-        for checkout in args.checkout:
-            values = [run[key] for run in runs[checkout]]
-            med = _fmt(key, statistics.median(values))
-            cells.append(f"{med} ({_fmt(key, min(values))}-{_fmt(key, max(values))})")
+        cells = [
+            spread([run[key] for run in runs[c]], lambda x, key=key: _fmt(key, x))
+            for c in args.checkout
+        ]
         print(f"| {key} | " + " | ".join(cells) + " |")
     loads = [run["load1"] for rs in runs.values() for run in rs]
     print(f"load average (1 min) at the end of each run: {min(loads):.2f}-{max(loads):.2f}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import platform
 import re
+import statistics
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -32,3 +34,10 @@ def machine() -> str:
 def load_average() -> str:
     """The 1, 5 and 15 minute load averages, as a section's context gives them."""
     return ", ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def spread(values: Sequence[float], fmt: Callable[[float], str] = "{:.1f}".format) -> str:
+    """An interleaved A/B table's cell: the median of the runs, then their range."""
+    if not values:
+        return "-"
+    return f"{fmt(statistics.median(values))} ({fmt(min(values))}-{fmt(max(values))})"

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench.results import spread
 
 # Columns of vllm_pd_bench's first table that this compares, by header.
 COLUMNS = {
@@ -82,12 +83,6 @@ def run_once(
     return parse(out.read_text())
 
 
-def _cell(values: list[float]) -> str:
-    if not values:
-        return "-"
-    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkout", action="append", type=Path, default=[])
@@ -125,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     for setup in SETUPS:
         for key in COLUMNS:
             cells = [
-                _cell([run[setup][key] for run in runs[c] if key in run.get(setup, {})])
+                spread([run[setup][key] for run in runs[c] if key in run.get(setup, {})])
                 for c in checkouts
             ]
             print(f"| {setup} | {key} | " + " | ".join(cells) + " |")

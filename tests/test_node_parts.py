@@ -16,6 +16,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -443,77 +444,80 @@ def test_counters_merge_under_the_status_names() -> None:
     assert len(counted) == 12
 
 
-async def test_peers_alone_replace_an_engine_whose_windows_changed_on_the_same_agent(
-    parts: Parts, shm: Any
-) -> None:
-    # Found by the crash soak: the same peer agent back on a new link, with
-    # windows reopened meanwhile, was added the new engine over the old one
-    # ("already added with another layout"); the Hello's list now replaces it.
+@dataclass
+class PeerEngine:
+    """A peer daemon's data plane with one engine ("dec") whose windows this node is given."""
+
+    plane: DataPlane
+    spec: EngineSpec
+    mapped: dict[str, Any]
+
+    async def hello(self) -> pm.Hello:
+        """The peer's Hello with fresh windows for this node (its old ones revoked)."""
+        await self.plane.revoke_windows("prefill-node")
+        windows = await self.plane.open_windows("prefill-node", self.spec, self.mapped)
+        metadata = await self.plane.metadata()
+        return pm.Hello("decode-node", "boot-1", self.plane.agent_name, metadata, (windows,))
+
+
+@pytest.fixture
+async def peer_engine(shm: Any) -> AsyncIterator[PeerEngine]:
     groups, regions = shm
-    peer = DataPlane(f"parts-peer-{uuid.uuid4().hex[:8]}")
-    await peer.start()
+    plane = DataPlane(f"parts-peer-{uuid.uuid4().hex[:8]}")
+    await plane.start()
     spec = EngineSpec("dec", groups, tuple(r.spec() for r in regions))
     mapped = {r.name: map_dram_region(r.spec(), owner_uid=None) for r in regions}
     try:
-        await peer.add_local_engine(spec, mapped)
-        integrity = parts.integrity()
-        peers = parts.peers(parts.windows(), parts.transfers(integrity), integrity)
-        first = await peer.open_windows("prefill-node", spec, mapped)
-        hello = pm.Hello("decode-node", "boot-1", peer.agent_name, await peer.metadata(), (first,))
-        await peers.peer_up("decode-node", hello)
-        await peer.revoke_windows("prefill-node")
-        second = await peer.open_windows("prefill-node", spec, mapped)
-        assert first != second
-        hello = pm.Hello("decode-node", "boot-1", peer.agent_name, await peer.metadata(), (second,))
-        await peers.peer_up("decode-node", hello)
-        assert peers.states["decode-node"].engines == {"dec": second}
+        await plane.add_local_engine(spec, mapped)
+        yield PeerEngine(plane, spec, mapped)
     finally:
-        await peer.close()
+        await plane.close()
         for region in mapped.values():
             region.close()
 
 
+async def test_peers_alone_replace_an_engine_whose_windows_changed_on_the_same_agent(
+    parts: Parts, peer_engine: PeerEngine
+) -> None:
+    # Found by the crash soak: the same peer agent back on a new link, with
+    # windows reopened meanwhile, was added the new engine over the old one
+    # ("already added with another layout"); the Hello's list now replaces it.
+    integrity = parts.integrity()
+    peers = parts.peers(parts.windows(), parts.transfers(integrity), integrity)
+    first = await peer_engine.hello()
+    await peers.peer_up("decode-node", first)
+    second = await peer_engine.hello()
+    assert first.engines != second.engines
+    await peers.peer_up("decode-node", second)
+    assert peers.states["decode-node"].engines == {"dec": second.engines[0]}
+
+
 async def test_peers_fence_a_peer_in_its_turn_never_inside_its_peer_up(
-    parts: Parts, shm: Any
+    parts: Parts, peer_engine: PeerEngine
 ) -> None:
     # Found by the crash rounds: a quarantine deadline fenced the peer while
     # its peer_up was adding its engines; the next peer_up then added an
     # engine whose windows had changed over the old one ("already added with
     # another layout"). The deadline's fence now waits for the peer's turn.
-    groups, regions = shm
-    peer = DataPlane(f"parts-peer-{uuid.uuid4().hex[:8]}")
-    await peer.start()
-    spec = EngineSpec("dec", groups, tuple(r.spec() for r in regions))
-    mapped = {r.name: map_dram_region(r.spec(), owner_uid=None) for r in regions}
-    try:
-        await peer.add_local_engine(spec, mapped)
-        integrity = parts.integrity()
-        peers = parts.peers(parts.windows(), parts.transfers(integrity), integrity)
-        first = await peer.open_windows("prefill-node", spec, mapped)
-        hello = pm.Hello("decode-node", "boot-1", peer.agent_name, await peer.metadata(), (first,))
-        peers.on_up("decode-node", hello, None)
-        state = None
-        until = time.monotonic() + 10
-        while time.monotonic() < until:  # until peer_up has its agent, and adds its engines
-            state = peers.states.get("decode-node")
-            if state is not None and state.agent_name:
-                break
-            await asyncio.sleep(0)
-        assert state is not None and state.agent_name
-        await peers.fence_in_turn("decode-node", close_link="a quarantine deadline passed")
-        # The fence came after the whole peer_up: the agent and its engines are gone together.
-        assert state.agent_name == ""
-        assert not [k for k in parts.dataplane._remote_specs if k[1] == "dec"]
+    integrity = parts.integrity()
+    peers = parts.peers(parts.windows(), parts.transfers(integrity), integrity)
+    peers.on_up("decode-node", await peer_engine.hello(), None)
+    state = None
+    until = time.monotonic() + 10
+    while time.monotonic() < until:  # until peer_up has its agent, and adds its engines
+        state = peers.states.get("decode-node")
+        if state is not None and state.agent_name:
+            break
+        await asyncio.sleep(0)
+    assert state is not None and state.agent_name
+    await peers.fence_in_turn("decode-node", close_link="a quarantine deadline passed")
+    # The fence came after the whole peer_up: the agent and its engines are gone together.
+    assert state.agent_name == ""
+    assert not [k for k in parts.dataplane._remote_specs if k[1] == "dec"]
 
-        await peer.revoke_windows("prefill-node")
-        second = await peer.open_windows("prefill-node", spec, mapped)
-        hello = pm.Hello("decode-node", "boot-1", peer.agent_name, await peer.metadata(), (second,))
-        peers.on_up("decode-node", hello, None)
-        await peers.fence_in_turn("decode-node", close_link="")  # waits for that peer_up
-        # That peer_up registered the new windows (none left over to collide with)
-        # before this second fence forgot them again.
-        assert state.engines == {"dec": second}
-    finally:
-        await peer.close()
-        for region in mapped.values():
-            region.close()
+    second = await peer_engine.hello()
+    peers.on_up("decode-node", second, None)
+    await peers.fence_in_turn("decode-node", close_link="")  # waits for that peer_up
+    # That peer_up registered the new windows (none left over to collide with)
+    # before this second fence forgot them again.
+    assert state.engines == {"dec": second.engines[0]}

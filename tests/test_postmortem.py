@@ -216,12 +216,9 @@ def test_torn_tail(demo, tmp_path):
     copy = tmp_path / "decode"
     shutil.copytree(demo["decode"], copy)
     (segment,) = sorted(copy.glob("seg-*.kvj"))
-    released = [
-        (offset, records)
-        for offset, _, records in frames(segment)
-        if any(isinstance(r.event, Released) for r in records)
-    ]
-    offset, _ = released[-1]
+    intact = frames(segment)
+    with_release = [o for o, _, rs in intact if any(isinstance(r.event, Released) for r in rs)]
+    offset = with_release[-1]
     cut = offset + FRAME_OVERHEAD + 3  # a crash (or a copy) cut the last release short
     size = segment.stat().st_size
     os.truncate(segment, cut)
@@ -235,7 +232,8 @@ def test_torn_tail(demo, tmp_path):
     # commit in format 2) were lost: those requests never reached released.
     lost = {
         _rid(r)
-        for _, _, records in frames_before_cut(demo["decode"], offset)
+        for at, _, records in intact
+        if at >= offset
         for r in records
         if isinstance(r.event, Released)
     }
@@ -244,12 +242,6 @@ def test_torn_tail(demo, tmp_path):
         (rid, "decode") for rid in lost
     }
     assert _kinds(analysis) | {"torn": 0, "never_released": 0} == dict.fromkeys(_kinds(analysis), 0)
-
-
-def frames_before_cut(journal: Path, offset: int) -> list[tuple[int, int, list[Record]]]:
-    """The frames of the journal's segment from ``offset`` on (what the cut lost)."""
-    (segment,) = sorted(journal.glob("seg-*.kvj"))
-    return [frame for frame in frames(segment) if frame[0] >= offset]
 
 
 def test_sequence_gap(demo, tmp_path):

@@ -45,13 +45,13 @@ def _cache(hybrid: bool = False) -> dict[str, torch.Tensor]:
     return {"model.layers.0.attn": first, "model.layers.1.attn": second}
 
 
-@pytest.fixture(params=[RUNS, GATHER])
-def staging(tmp_path: Path, request: pytest.FixtureRequest):
-    """Both ways of moving a step's blocks: a copy per run, and a gather per layer."""
+@pytest.fixture
+def make_staging(tmp_path: Path):
+    """Stagings made in the test, closed (and their mirror's lock released) after it."""
     made: list[Staging] = []
 
-    def make(cache: dict[str, torch.Tensor], groups) -> Staging:
-        s = Staging.create(cache, groups, tmp_path / "mirror", copies=request.param)
+    def make(cache: dict[str, torch.Tensor], groups, copies: str = AUTO) -> Staging:
+        s = Staging.create(cache, groups, tmp_path / "mirror", copies=copies)
         made.append(s)
         return s
 
@@ -59,6 +59,12 @@ def staging(tmp_path: Path, request: pytest.FixtureRequest):
     for s in made:
         s.close()
         os.close(s.lock_fd)
+
+
+@pytest.fixture(params=[RUNS, GATHER])
+def staging(make_staging, request: pytest.FixtureRequest):
+    """Both ways of moving a step's blocks: a copy per run, and a gather per layer."""
+    return lambda cache, groups: make_staging(cache, groups, request.param)
 
 
 def test_the_mirror_lays_each_layer_at_its_offset_in_the_cache(staging) -> None:
@@ -169,22 +175,20 @@ def test_a_mirror_too_big_for_dev_shm_is_one_clear_error_naming_its_size(small_t
     assert list(small_tmpfs.iterdir()) == []
 
 
-def test_a_cpu_cache_copies_runs_unless_told_and_an_unknown_mode_is_refused(tmp_path: Path) -> None:
+def test_a_cpu_cache_copies_runs_unless_told_and_an_unknown_mode_is_refused(
+    make_staging, tmp_path: Path
+) -> None:
     cache = _cache()
-    auto = Staging.create(cache, [list(cache)], tmp_path / "mirror")
-    try:
-        assert auto.copies == AUTO
-        # Scattered ids on a CPU: still a copy per run (no launch to save).
-        assert not auto._gathers([(0, 1), (2, 3), (4, 5)])
-    finally:
-        auto.close()
-        os.close(auto.lock_fd)
+    auto = make_staging(cache, [list(cache)])
+    assert auto.copies == AUTO
+    # Scattered ids on a CPU: still a copy per run (no launch to save).
+    assert not auto._gathers([(0, 1), (2, 3), (4, 5)])
     with pytest.raises(StagingError, match="copies must be"):
         Staging.create(cache, [list(cache)], tmp_path / "other", copies="scatter")
 
 
 def test_a_gather_moves_its_blocks_in_chunks_of_bounded_size(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    make_staging, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import daemon.client.vllm_staging as staging_module
 
@@ -193,16 +197,12 @@ def test_a_gather_moves_its_blocks_in_chunks_of_bounded_size(
     cache = _cache()
     block = cache["model.layers.0.attn"][0].nbytes
     monkeypatch.setattr(staging_module, "GATHER_CHUNK_BYTES", 2 * block)
-    s = Staging.create(cache, [list(cache)], tmp_path / "mirror", copies=GATHER)
-    try:
-        ids = [1, 3, 4, 7, 10]
-        copied = s.copy_out([[ids]])
-        assert copied.nbytes == 2 * len(ids) * block
-        for name, layer in cache.items():
-            mirror = s.mirror[name]
-            assert torch.equal(mirror[ids], layer[ids])
-            others = [b for b in range(BLOCKS) if b not in ids]
-            assert not mirror[others].any()
-    finally:
-        s.close()
-        os.close(s.lock_fd)
+    s = make_staging(cache, [list(cache)], GATHER)
+    ids = [1, 3, 4, 7, 10]
+    copied = s.copy_out([[ids]])
+    assert copied.nbytes == 2 * len(ids) * block
+    for name, layer in cache.items():
+        mirror = s.mirror[name]
+        assert torch.equal(mirror[ids], layer[ids])
+        others = [b for b in range(BLOCKS) if b not in ids]
+        assert not mirror[others].any()

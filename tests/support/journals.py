@@ -9,8 +9,8 @@ from daemon.journal.format import (
     FORMAT_V1,
     FRAME,
     FRAME_OVERHEAD,
+    GROUP_OVERHEAD,
     HEADER_SIZE,
-    MARK_COUNT,
     SEGMENT_MAGIC,
     SEGMENT_RE,
     group_sizes,
@@ -51,7 +51,7 @@ def frames(segment: Path) -> list[tuple[int, int, list[Record]]]:
         if version == FORMAT_V1:
             records = [decode_record(data[body : body + length])]
         else:
-            records, start = [], body + MARK_COUNT.size
+            records, start = [], offset + GROUP_OVERHEAD
             for size in group_sizes(data, offset):
                 records.append(decode_record(data[start : start + size]))
                 start += size
