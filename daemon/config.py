@@ -68,7 +68,7 @@ def _check(config: Config) -> None:
             f"socket: {config.socket!r} is longer than the {MAX_SOCKET_PATH_BYTES} bytes "
             f"a Unix socket path may have; choose a shorter path"
         )
-    for name in ("registered", "trimmed", "writing", "done", "failed", "held"):
+    for name in ("registered", "trimmed", "writing", "done", "failed", "held", "unclaimed"):
         if getattr(config.deadlines, name) <= 0:
             raise ConfigError(f"deadlines.{name}: must be > 0 seconds")
     if config.heartbeat_s <= 0 or config.peer_ttl_s <= config.heartbeat_s:

@@ -163,6 +163,14 @@ POINTS: Final[Mapping[str, Point]] = MappingProxyType(
             io=False,
             corrupts=True,
         ),
+        "connector.shift_push": Point(
+            "KvpushdConnector _SchedulerSide.finished (daemon/client/vllm.py): a finished "
+            "prefill names its prompt's blocks without the last one, with their true block "
+            "hashes, so the tail trim pairs each decode block with the block before its own "
+            "(a planted misalignment the block hashes must refuse; one hit per push)",
+            io=False,
+            corrupts=True,
+        ),
         "integrity.shift_src": Point(
             "Integrity.wire_src (daemon/node/integrity.py): the pusher hands NIXL the "
             "front of its blocks instead of the trimmed tail (a planted front-trim)",

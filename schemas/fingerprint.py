@@ -21,7 +21,9 @@ import msgspec
 # kv_transfer_params, or how it reads them, changes incompatibly.
 # 2: instances of different TP sizes pair rank by rank (``kv_head_range``).
 # 3: pipeline stages pair by the layers they hold (``layer_range``; ``@pp<s>`` shares).
-CONNECTOR_PROTOCOL: Final = 3
+# 4: registrations name each block's content hash (statemachine/content.py),
+#    and a prefill pushes only its prompt's blocks.
+CONNECTOR_PROTOCOL: Final = 4
 
 
 class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -55,6 +57,12 @@ class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_
     # Last, with a default: fingerprints journaled before it decode unchanged.
     kv_head_range: tuple[int, int] = (0, 0)
     layer_range: tuple[int, int] = (0, 0)
+    # What else changes the KV of the same weights: their quantization
+    # method, a digest of config overrides (vLLM's ``hf_overrides``), and a
+    # speculative method whose draft layers keep KV of their own.
+    quantization: str = ""
+    overrides: str = ""
+    speculative: str = ""
 
     @property
     def names_heads(self) -> bool:

@@ -38,6 +38,12 @@ class Deadlines(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The longest a pusher waits for its receiver, from its registration,
     # while the decode side holds it (its request queued for blocks).
     held: float = 120.0
+    # The longest a pusher waits for its receiver, from its registration,
+    # while nobody holds it (at most ``registered``): a decode that is
+    # down, or a router that never sends the decode leg, pins the prefill's
+    # blocks this long, not a whole ``registered`` deadline. A decode
+    # request queued for blocks holds the push (``held`` bounds that).
+    unclaimed: float = 5.0
 
     def for_state(self, state: State) -> float:
         return getattr(self, state.value)

@@ -65,20 +65,5 @@ def check_fingerprints(prefill: Fingerprint | None, decode: Fingerprint | None) 
         )
 
 
-def check_contents(prefill: str, decode: str) -> None:
-    """Raise TrimRefused(CONTENT_MISMATCH) when both sides named different contents.
-
-    A registration may name what its blocks hold (the prefill: a digest of
-    the prompt it computed) or are for (the decode: its own prompt's); a
-    side that names none is not checked.
-    """
-    if prefill and decode and prefill != decode:
-        raise TrimRefused(
-            Reason.CONTENT_MISMATCH,
-            f"the prefill engine's blocks hold {prefill!r}, the decode engine's are for "
-            f"{decode!r}; nothing is written (the decode side must compute this prompt)",
-        )
-
-
 def _declared(fingerprint: Fingerprint | None) -> str:
     return "none declared" if fingerprint is None else "declared"

@@ -25,7 +25,7 @@ Refusal rules enforced here:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence, Set
-from typing import Any, Final
+from typing import Any
 
 from schemas.events import (
     Blocks,
@@ -52,8 +52,9 @@ from schemas.state import (
     RequestRecord,
     State,
 )
+from statemachine import content as block_content
 from statemachine.errors import IllegalTransition, Refusal
-from statemachine.fingerprint import check_contents, check_fingerprints
+from statemachine.fingerprint import check_fingerprints
 from statemachine.reactions import Stimulus, Why, react, react_pending
 from statemachine.tombstones import Tombstones
 from statemachine.transitions import apply as apply_transition
@@ -70,19 +71,6 @@ _BlockKey = tuple[str, int]  # (engine id, pool: the group whose block ids name 
 PUSHER, RECEIVER = Role.PUSHER, Role.RECEIVER
 REGISTERED, TRIMMED, WRITING = State.REGISTERED, State.TRIMMED, State.WRITING
 DONE, RELEASED, FAILED = State.DONE, State.RELEASED, State.FAILED
-
-
-# The longest content name a registration may carry (a digest's hex fits).
-MAX_CONTENT: Final = 128
-
-
-def _check_content(request_id: str, content: str) -> None:
-    if len(content) > MAX_CONTENT:
-        raise Refusal(
-            Reason.BLOCK_OUT_OF_RANGE,
-            f"request {request_id}: content names {len(content)} characters, "
-            f"over the {MAX_CONTENT} allowed",
-        )
 
 
 def attention_ratio(layout: EngineLayout) -> int:
@@ -376,7 +364,6 @@ class Registry:
         yet although no live request holds them (released, not yet zeroed).
         ``content`` names what the blocks hold (checked at the pairing).
         """
-        _check_content(request_id, content)
         layout = self._engine(engine_id)
         self._check_new_key(request_id, incarnation)
         self._check_pending(request_id, incarnation, role)
@@ -389,6 +376,8 @@ class Registry:
         if any(lid < 0 for ids in logical_blocks for lid in ids):
             raise Refusal(Reason.BLOCK_OUT_OF_RANGE, f"request {request_id}: negative block id")
         _check_expansion_fits(layout, logical_blocks, request_id)
+        # Block hashes name exactly the blocks listed (statemachine/content.py).
+        block_content.check_counts(request_id, content, tuple(map(len, logical_blocks)))
         event = Registered(
             request_id,
             incarnation,
@@ -516,7 +505,7 @@ class Registry:
                 )
         if per_logical < 1:
             raise Refusal(Reason.BLOCK_OUT_OF_RANGE, f"per_logical must be >= 1, got {per_logical}")
-        _check_content(request_id, content)
+        block_content.decode(request_id, content)  # refused if it does not parse
         return PeerRegistered(
             request_id, incarnation, peer, engine_id, blocks, per_logical, fingerprint, content
         )
@@ -562,9 +551,10 @@ class Registry:
         # Before any pairing: blocks of the right size from another model
         # would be written, loaded and decoded into wrong tokens.
         check_fingerprints(layout.fingerprint, record.remote_fingerprint)
-        # Blocks meant for other KV (another prompt, where a router sent the
-        # two legs different prompts under one transfer id) are never written.
-        check_contents(record.content, record.remote_content)
+        # Blocks meant for other KV (another prompt, adapter or input, or
+        # other positions of it) are never written: the blocks' content
+        # hashes must agree with the pairing the trim is about to make.
+        block_content.check_pairing(request_id, record.content, record.remote_content)
         dst, src = apply_prefix_caching(
             record.remote_blocks,
             record.blocks,
@@ -648,7 +638,7 @@ class Registry:
         rid, inc = event.request_id, event.incarnation
         record = RequestRecord(
             rid, inc, event.role, event.engine_id, event.peer, REGISTERED, event.blocks, ts,
-            ts + self.deadlines.registered, content=event.content,
+            ts + self._registered_wait(event.role), content=event.content,
         )  # fmt: skip
         if event.offload_slots:
             self._hold_slots(rid, event.engine_id, event.offload_slots)
@@ -661,6 +651,12 @@ class Registry:
                 record = apply_transition(record, reg, ts, self._seconds)
         self.live[rid] = record
         return record
+
+    def _registered_wait(self, role: Role) -> float:
+        """How long a new request may stay registered: a pusher nobody claimed, ``unclaimed``."""
+        if role is PUSHER:
+            return min(self.deadlines.registered, self.deadlines.unclaimed)
+        return self.deadlines.registered
 
     def _apply_peer_registered(self, event: PeerRegistered, ts: float) -> RequestRecord | None:
         record = self.live.get(event.request_id)

@@ -133,3 +133,57 @@ async def test_a_hold_naming_an_unknown_peer_is_refused_and_changes_nothing(shor
     finally:
         await pe.close()
         await de.close()
+
+
+UNCLAIMED = "[deadlines]\nregistered = 30.0\nunclaimed = 1.0\nheld = 10.0"
+
+
+@pytest.fixture(scope="module")
+def unclaimed_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, Daemon]]:
+    pair = start_pair(tmp_path_factory.mktemp("unclaimed"), extra=UNCLAIMED)
+    yield pair
+    stop_cleanly(*pair)
+
+
+async def test_a_push_nobody_claims_ends_at_unclaimed_not_at_registered(unclaimed_pair) -> None:
+    """A decode that is down never registers nor holds: the prefill's blocks go back in 1 s.
+
+    (Before ``unclaimed`` they stayed held for the whole 30 s ``registered``.)
+    """
+    prefill, decode = unclaimed_pair
+    pe, de = await engine_pair(unclaimed_pair, LAYOUT)
+    rid = "unclaimed"
+    try:
+        started = time.monotonic()
+        await pe.prefill(rid, [[3, 4, 5]])
+        failed = await pe.wait_event(rid, (rpc.BlocksFreeable, rpc.RequestFailed), timeout=10)
+        ended_after = time.monotonic() - started
+        assert isinstance(failed, rpc.RequestFailed), failed
+        assert failed.reason == Reason.DEADLINE_EXCEEDED
+        assert 0.9 < ended_after < 5, ended_after
+        await pe.release(rid)
+    finally:
+        await pe.close()
+        await de.close()
+    wait_idle(prefill, decode)
+
+
+async def test_a_held_push_outlives_unclaimed_and_the_kv_still_moves(unclaimed_pair) -> None:
+    prefill, decode = unclaimed_pair
+    pe, de = await engine_pair(unclaimed_pair, LAYOUT)
+    rid = "claimed-late"
+    try:
+        src, dst = [[3, 4, 5]], [[20, 21, 22]]
+        await pe.prefill(rid, src)
+        await _queue_for(de, rid, 2.5)  # past two unclaimed deadlines, held
+        expect = Expectation(pe.engine_id, tail_pairs(pe.layout, src, de.layout, dst))
+        await de.decode_register(rid, dst, "prefill", expect=expect)
+        arrived = await de.wait_event(rid, (rpc.KvArrived, rpc.RequestFailed))
+        assert isinstance(arrived, rpc.KvArrived), arrived
+        await de.release(rid)
+        await pe.release(rid)
+    finally:
+        await pe.close()
+        await de.close()
+    wait_idle(prefill, decode)
+    assert WriteDone in {type(e) for e in prefill.journal_events(rid)}

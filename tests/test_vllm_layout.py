@@ -13,13 +13,11 @@ import msgspec
 import pytest
 
 from daemon.client.vllm_layout import (
-    NULL_BLOCK,
     SINGLE_RANK_SETTINGS,
     UnsupportedLayout,
     check_supported,
     fingerprint,
     group_windows,
-    moved_blocks,
     rank_fingerprint,
     rank_map_problem,
     slice_fingerprint,
@@ -125,17 +123,6 @@ def test_each_group_names_its_window() -> None:
     assert group_windows(_groups(FullAttentionSpec(block_size=32))) == (0,)
 
 
-def test_a_sliding_window_group_moves_only_its_blocks_inside_the_window() -> None:
-    # What vLLM handed the probe at the end of a 300-token prefill (window 48,
-    # blocks of 32): the sliding group's out-of-window blocks are its null block.
-    ends = ([NULL_BLOCK] * 7 + [26, 27, 28], [29, 30, 31, 32, 33, 34, 35, 36, 37, 38])
-    assert moved_blocks(ends, (48, 0)) == ((26, 27, 28), tuple(range(29, 39)))
-    # A full-attention group is moved as it is: block 0 there would be a real block.
-    assert moved_blocks(([0, 5],), (0,)) == ((0, 5),)
-    with pytest.raises(ValueError, match="2 block lists for 1"):
-        moved_blocks(([1], [2]), (0,))
-
-
 @pytest.mark.parametrize(
     ("prompt_len", "gap"),
     [(79, 48), (111, 48), (80, None), (78, None), (150, None), (47, None), (48, None)],
@@ -170,6 +157,41 @@ def test_the_fingerprint_names_each_groups_window() -> None:
     assert hybrid.kv_layout.endswith(":groups=swa48,full")
     # An instance with the hybrid allocator off does not pair with one that has it on.
     assert first_difference(hybrid, single)[0] == "kv_layout"
+
+
+@pytest.mark.parametrize(
+    ("field", "model", "speculative"),
+    [
+        ("quantization", {"quantization": "fp8"}, None),
+        ("overrides", {"hf_overrides": {"rope_theta": 20000.0}}, None),
+        ("speculative", {}, SimpleNamespace(method="eagle", model="/d", num_speculative_tokens=3)),
+    ],
+)
+def test_the_fingerprint_names_what_else_changes_the_kv(
+    field: str, model: dict[str, object], speculative: object
+) -> None:
+    def config(more: dict[str, object], spec: object) -> SimpleNamespace:
+        return SimpleNamespace(
+            model_config=SimpleNamespace(
+                model="/m",
+                revision=None,
+                dtype="torch.float32",
+                get_total_num_hidden_layers=lambda: 2,
+                get_total_num_kv_heads=lambda: 2,
+                get_head_size=lambda: 64,
+                **more,
+            ),
+            cache_config=SimpleNamespace(cache_dtype="auto", block_size=32),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+            speculative_config=spec,
+        )
+
+    plain = fingerprint(config({}, None), "0")
+    other = fingerprint(config(model, speculative), "0")
+    assert first_difference(plain, other)[0] == field
+    # n-gram proposals keep no KV of their own: the KV pairs.
+    ngram = SimpleNamespace(method="ngram", model=None, num_speculative_tokens=4)
+    assert first_difference(plain, fingerprint(config({}, ngram), "0")) is None
 
 
 # ------------------------------------------------------------- rank pairing

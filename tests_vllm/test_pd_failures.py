@@ -10,7 +10,7 @@ their tokens still equal a single instance's.
 The decode instance runs with ``kv_load_failure_policy=recompute``: when its
 KV cannot come (the prefill daemon was killed with SIGKILL after the
 prefill ran and before the decode side registered), the connector reports
-the blocks as load errors and vLLM recomputes the prompt, so the output
+a failed receive and vLLM recomputes the prompt, so the output
 still equals a single instance's. Both connectors end every transfer they
 held: the prefill's blocks go back to vLLM (nothing can read them any
 more), the decode's load ends as failed, and the decode daemon ends empty.
@@ -199,7 +199,8 @@ def test_a_killed_prefill_daemon_makes_a_load_error_and_vllm_recomputes(recomput
     assert got == single  # recomputed, never wrong
     # The decode daemon refused the receiver (peer_unreachable): a load error.
     assert decode.status()["counters"]["refusals"] == refused_before + 1
-    assert "Recovered from KV load failure" in d.log.read_text()
+    # Reported as a failed receive (vLLM recomputes it), never as block errors.
+    assert "not registered" in d.log.read_text()
     deadline = time.monotonic() + 30
     while decode.status()["live"]:
         assert time.monotonic() < deadline, decode.status()["requests"]

@@ -35,6 +35,7 @@ from daemon.sim.vllm_router import prefill_leg, route_concurrent
 from daemon.sim.vllm_servers import VllmServer, VllmServerError, kvpushd_pd
 from schemas.events import Failed, Registered, Released, Trimmed, WriteDone, WriteStarted
 from schemas.reasons import Reason
+from statemachine.content import decode as block_hashes_of
 
 TOKENS = 8
 EXTERNAL = "vllm:prompt_tokens_by_source_total"
@@ -339,7 +340,7 @@ def test_both_legs_at_once_under_the_routers_transfer_id_are_token_exact(pd: PD)
     decode allocates and registers while the prefill computes. Its tokens
     equal a single instance's, the external-KV counter moved by the
     prompt, and both journals show the router's transfer id written and
-    released, each side having named the prompt's digest.
+    released, each side having named its blocks' content hashes.
     """
     p, d, prefill, decode = pd
     rng = random.Random(71)
@@ -362,7 +363,10 @@ def test_both_legs_at_once_under_the_routers_transfer_id_are_token_exact(pd: PD)
             kinds = [type(e) for e in events]
             assert WriteDone in kinds and kinds[-1] is Released, (daemon.node, kinds)
             (registered,) = [e for e in events if isinstance(e, Registered)]
-            assert len(registered.content) == 32, registered  # the prompt's digest
+            # Each side named every block it registered with its content hash.
+            hashes = block_hashes_of(transfer, registered.content)
+            assert hashes is not None and hashes[0] is not None, registered
+            assert len(hashes[0].hashes) == len(registered.blocks[0]), registered
 
 
 def test_both_legs_at_once_with_two_prompts_never_load_the_other_prompts_kv(pd: PD) -> None:

@@ -16,20 +16,27 @@ vLLM runs a connector twice: in the scheduler (decides) and in each worker
 engine's requests to the connection that registered the engine, and the
 worker is the one that owns the KV memory. The scheduler hands the worker
 what to register through the per-step connector metadata; the worker reports
-back through ``get_finished`` and ``get_block_ids_with_load_errors``. No call
+back through ``get_transfer_results`` (failed loads by request id). No call
 on vLLM's step path waits for the daemon: requests go out on a background
 thread, and events come back through a queue drained once per step.
 
 - Prefill (``do_remote_decode``): when the request finishes, its blocks stay
   allocated (``delay_free``) and the worker registers a pusher request with
-  every block and says the KV is ready; ``blocks_freeable`` (or a failure)
+  the blocks that cover the prompt (never those of tokens generated after
+  it) and says the KV is ready; ``blocks_freeable`` (or a failure)
   ends the send and the blocks go back to vLLM.
 - Decode (``do_remote_prefill``): the prompt's tokens are external and load
   asynchronously; after allocation the worker registers a receiver with the
   blocks vLLM still has to fill (not those its own prefix cache already
   holds: the daemon's tail trim pairs them with the prefill's last blocks).
-  ``kv_arrived`` ends the load; a failure ends it with its blocks reported as
-  load errors, so vLLM's ``kv_load_failure_policy`` applies.
+  ``kv_arrived`` ends the load; a failure ends it as a failed receive
+  (``failed_recving``, the form vLLM takes for any number of KV cache
+  groups), so vLLM's ``kv_load_failure_policy`` applies.
+- Right blocks only: both sides name each block with its content hash
+  (vLLM's own chained prefix-cache hash, daemon/client/vllm_hashes.py); the
+  prefill daemon writes a decode block only from the prefill block of
+  equal hash at the position the tail trim pairs, and refuses the transfer
+  (``content_mismatch``, naming the first block) otherwise.
 - Same model only: the engine registers with a fingerprint of what makes
   its KV interchangeable (daemon/client/vllm_layout.py), and the prefill's
   ``kv_transfer_params`` carry it; a decode instance whose fingerprint
@@ -39,12 +46,14 @@ thread, and events come back through a queue drained once per step.
 - Same prompt only: the params carry the prompt's length and digest; a
   decode request whose prompt differs computes it. One request per
   transfer: a second request with the same params (a retry) computes its
-  prompt. A prefill request that ended by abort pushes nothing.
+  prompt, and a second live prefill request with the same router
+  ``transfer_id`` pushes nothing (the first push goes on). A prefill
+  request that ended by abort pushes nothing.
 - Shapes: TP ranks (each prefill rank's share is its own daemon request,
   statemachine/ranks.py), and one group per vLLM KV cache group
   (``SupportsHMA``: full attention and sliding window; a sliding-window
-  group moves only its blocks inside the window, vllm_layout.moved_blocks). Equal TP sizes pair rank
-  to rank; a prefill with k times the decode's ranks writes each decode
+  group moves only its blocks inside the window, vllm_hashes.prompt_blocks).
+  Equal TP sizes pair rank to rank; a prefill with k times the decode's ranks writes each decode
   rank's blocks from k prefill ranks, each into the head slice that holds
   its heads (a slice engine over the same memory), and the decode rank's
   load ends only when every one has landed (any failure fails the load
@@ -99,6 +108,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -109,12 +119,20 @@ from daemon.client import vllm_stats as vs
 from daemon.client.engine_client import EngineClient
 from daemon.client.errors import ClientError, DaemonUnreachable, RpcError
 from daemon.client.kvfile import create_kv_file, sweep_stale_kv_files
+from daemon.client.vllm_hashes import (
+    NotOneRun,
+    block_hashes,
+    ids_of,
+    prompt_block_count,
+    prompt_blocks,
+    unhashed_prompt_blocks,
+)
+from daemon.client.vllm_hashes import content as block_content
 from daemon.client.vllm_layout import (
     Blocks,
     check_supported,
     fingerprint,
     group_windows,
-    moved_blocks,
     prompt_digest,
     rank_count,
     rank_fingerprint,
@@ -192,6 +210,9 @@ _MAX_TRANSFER_ID = 200
 # In the prefill's answer: the TP and PP sizes its shares are named by.
 TP_SPLIT = "kvpushd_split_tp"
 PP_SPLIT = "kvpushd_split_pp"
+# The content of a pusher that pushes nothing, before why (statemachine/content.py
+# takes any content that is not block hashes as a name both sides must share).
+NOT_PUSHED = "not pushed: "
 # How a prefill request must have ended for its KV to be pushed: its prompt
 # was computed (it stopped, or hit its length). An abort pushes nothing.
 _COMPUTED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED})
@@ -267,7 +288,6 @@ class _Load:
     """
 
     request_id: str
-    block_ids: tuple[int, ...]  # every group's (vLLM's groups share one block pool)
     blocks: Blocks  # per group, for host staging's copy
     nbytes: int  # the KV it loads, for the stats
     generation: int  # the daemon connection it was posted under
@@ -315,6 +335,8 @@ class KvpushdConnectorMetadata(KVConnectorMetadata):
     forgo: list[ReceiveSpec] = field(default_factory=list)
     # Decode requests still queued for blocks: the prefill's push must wait.
     hold: list[ReceiveSpec] = field(default_factory=list)
+    # Prefill requests a router named a transfer for that push nothing.
+    unpushed: list[PushSpec] = field(default_factory=list)
 
 
 class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
@@ -472,13 +494,17 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         return
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # Failed loads go by request (failed_recving), never as block ids:
+        # vLLM's scheduler takes block-level load errors only for a model
+        # with one KV cache group, and kills its engine core otherwise.
         assert self._worker is not None
-        return self._worker.finished(finished_req_ids)
+        sending, receiving, failed = self._worker.finished(finished_req_ids)
+        return KVConnectorTransferResults(sending, receiving, failed)
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        assert self._worker is not None
-        return self._worker.load_errors()
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -510,7 +536,10 @@ class _SchedulerSide:
         self._fingerprint = fingerprint
         self._sent_fingerprint = msgspec.to_builtins(fingerprint)
         self._pending = KvpushdConnectorMetadata()
-        self._pushing: set[str] = set()
+        # Live pushes: request id -> its transfer id, and back (one live
+        # push per transfer id).
+        self._pushing: dict[str, str] = {}
+        self._push_owners: dict[str, str] = {}
         self._loading: set[str] = set()
         # Transfer ids a receiver was registered for, oldest first (bounded).
         self._received: dict[str, None] = {}
@@ -644,13 +673,22 @@ class _SchedulerSide:
             return
         # Only once: the second call (after the load) must not register again.
         params["do_remote_prefill"] = False
-        block_ids = moved_blocks(blocks.get_unhashed_block_ids_all_groups(), self._windows)
+        count = prompt_block_count(len(request.prompt_token_ids or ()), self._block_size)
+        try:
+            named = unhashed_prompt_blocks(blocks.blocks, count)
+            content = block_content(named, block_hashes(request, self._block_size, count))
+        except NotOneRun as exc:
+            # Never reached with vLLM's allocator (hits and nulls are a
+            # prefix); if it were, the daemon refuses the pairing, the load
+            # fails and vLLM computes the prompt.
+            log.error("kvpushd: %s: %s", request.request_id, exc)
+            named = tuple((0, tuple(ids)) for ids in blocks.get_unhashed_block_ids_all_groups())
+            content = f"unpaired: {exc}"
         self._first_time(str(params["kvpushd_transfer_id"]))
         self._held.pop(str(params["kvpushd_transfer_id"]), None)
         self._loading.add(request.request_id)
-        content = prompt_digest(request.prompt_token_ids or ())
         self._pending.receive.append(
-            _receive_spec(request.request_id, params, block_ids, content=content)
+            _receive_spec(request.request_id, params, ids_of(named), content=content)
         )
 
     def finished(
@@ -674,16 +712,48 @@ class _SchedulerSide:
             if self._first_time(str(params["kvpushd_transfer_id"])):
                 self._pending.forgo.append(_receive_spec(request.request_id, params, ()))
             return False, None
-        if not params.get("do_remote_decode") or not any(block_ids):
+        if not params.get("do_remote_decode"):
             return False, None
-        if request.status not in _COMPUTED or request.prompt_token_ids is None:
+        if not any(block_ids) or request.status not in _COMPUTED:
             # Aborted, or ended before its prompt was computed: nobody needs
             # its KV, and its blocks go back to vLLM now.
             self.stats.not_loaded(vs.NOT_NEEDED)
+            self._not_pushing(request, params, f"the prefill request ended {request.status.name}")
+            return False, None
+        if request.prompt_token_ids is None:
+            self._not_pushing(request, params, "the prompt has no token ids (prompt embeddings)")
             return False, None
         # A router dispatching both legs at once names the transfer itself.
         transfer_id = _router_transfer_id(params) or request.request_id
+        owner = self._push_owners.get(transfer_id)
+        if owner is not None:
+            # One live push per transfer id: a router's retry, or a client's
+            # own id used twice. This request pushes nothing (its blocks go
+            # back now); the first push goes on untouched.
+            log.warning(
+                "kvpushd: %s: transfer %s is already pushed by %s: not pushed",
+                request.request_id,
+                transfer_id,
+                owner,
+            )
+            self.stats.not_loaded(vs.DUPLICATE)
+            return False, None
         digest = prompt_digest(request.prompt_token_ids)
+        # Exactly the prompt's blocks, whatever was computed beyond it, each
+        # named with its content hash (daemon/client/vllm_hashes.py).
+        count = prompt_block_count(len(request.prompt_token_ids), self._block_size)
+        try:
+            named = prompt_blocks(block_ids, self._windows, count)
+        except NotOneRun as exc:
+            log.error("kvpushd: %s: %s: not pushed", request.request_id, exc)
+            self._not_pushing(request, params, str(exc))
+            return False, None
+        if failpoints.corrupts("connector.shift_push"):
+            # The negative control: the push names one block less at its end,
+            # so the tail trim pairs every decode block with the block before
+            # its own; the block hashes must refuse it before any write.
+            named = tuple((first, ids[:-1]) for first, ids in named)
+        content = block_content(named, block_hashes(request, self._block_size, count))
         # A decode with more TP ranks or stages, named by the router: each
         # rank pushes one share per decode rank (and stage) it feeds
         # (statemachine/ranks.py).
@@ -693,13 +763,14 @@ class _SchedulerSide:
             PushSpec(
                 request.request_id,
                 transfer_id,
-                moved_blocks(block_ids, self._windows),
+                ids_of(named),
                 split_tp=by_tp,
                 split_pp=by_pp,
-                content=digest,
+                content=content,
             )
         )
-        self._pushing.add(request.request_id)
+        self._pushing[request.request_id] = transfer_id
+        self._push_owners[transfer_id] = request.request_id
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -714,6 +785,31 @@ class _SchedulerSide:
             "kvpushd_prompt_digest": digest,
         }
 
+    def _not_pushing(self, request: Request, params: dict[str, Any], why: str) -> None:
+        """Say at once that a transfer a router named will not be pushed.
+
+        A decode leg sent at the same time may already wait for it: a pusher
+        with no block, whose content says why, makes the prefill daemon
+        refuse that receiver now (``content_mismatch``, naming why) instead
+        of at its ``registered`` deadline. A transfer named by the prefill
+        (prefill-first) has no decode waiting: nothing is said.
+        """
+        transfer_id = _router_transfer_id(params)
+        if transfer_id is None or transfer_id in self._push_owners:
+            return
+        by_tp = split_tp(self._fingerprint, params.get("kvpushd_decode_tp"))
+        by_pp = split_pp(self._fingerprint, params.get("kvpushd_decode_pp"))
+        self._pending.unpushed.append(
+            PushSpec(
+                request.request_id,
+                transfer_id,
+                (),
+                split_tp=by_tp,
+                split_pp=by_pp,
+                content=f"{NOT_PUSHED}{why}",
+            )
+        )
+
     def _first_time(self, transfer_id: str) -> bool:
         """Note a receiving transfer; False if it was noted before."""
         if transfer_id in self._received:
@@ -726,7 +822,10 @@ class _SchedulerSide:
         return metadata
 
     def sent(self, request_ids: Any, received: Any) -> None:
-        self._pushing.difference_update(request_ids)
+        for request_id in request_ids:
+            transfer_id = self._pushing.pop(request_id, None)
+            if transfer_id is not None and self._push_owners.get(transfer_id) == request_id:
+                del self._push_owners[transfer_id]
         self._loading.difference_update(received)
 
     def pushing(self) -> bool:
@@ -959,7 +1058,8 @@ class _WorkerSide:
         self._done_sending: set[str] = set()
         self._done_receiving: set[str] = set()
         self._finished_seen: set[str] = set()
-        self._load_errors: set[int] = set()
+        # Loads that ended without their KV (vLLM recomputes or fails them).
+        self._failed_loads: set[str] = set()
         # Transfers registered on the current connection (the loop thread's).
         self._posted: set[str] = set()
         # Transfers whose release was asked and not yet answered (loop thread).
@@ -1154,6 +1254,11 @@ class _WorkerSide:
         released meanwhile: nothing holds its blocks).
         """
         transfer_id = spec.transfer_id
+        if transfer_id not in self._sending and transfer_id not in self._receiving:
+            # Its request ended meanwhile and vLLM may have given its blocks
+            # to another: registering them again would name blocks that are
+            # no longer this transfer's.
+            return
         try:
             if isinstance(spec, PushSpec):
                 with contextlib.suppress(RpcError):  # a duplicate: it is there
@@ -1212,9 +1317,20 @@ class _WorkerSide:
             self.stats.staged("out", staged.nbytes)
         for push in metadata.push:
             shares = self._shares(push)
+            if any(share.transfer_id in self._sending for share in shares):
+                # Another live request pushes this transfer (the scheduler
+                # lets only one; this guards its bounded memory): this one
+                # pushes nothing, and the other's bookkeeping stays whole.
+                log.warning(
+                    "kvpushd: %s: transfer %s is already pushed by another request",
+                    push.request_id,
+                    push.transfer_id,
+                )
+                shares = []
             if not shares:
                 # A replica no decode rank reads from: nothing reads its blocks.
                 self._done_sending.add(push.request_id)
+                continue
             self._pushes[push.request_id] = {share.transfer_id for share in shares}
             for share in shares:
                 self._sending[share.transfer_id] = (push.request_id, generation)
@@ -1227,6 +1343,9 @@ class _WorkerSide:
             self._forgo_all(forgone, generation)
         for queued in metadata.hold:
             self._hold_all(queued)
+        for unpushed in metadata.unpushed:
+            for share in self._shares(unpushed):
+                self._spawn(self._announce(share))
 
     def _shares(self, push: PushSpec) -> list[PushSpec]:
         """This rank's shares of a push, each on the engine (or slice) it is read from.
@@ -1280,7 +1399,7 @@ class _WorkerSide:
             # The scheduler pairs only instances whose ranks map; this rank
             # cannot (its cache is not head-major, or its layers carry no
             # index): nothing is registered, so no write can reach the
-            # blocks, and the load ends as load errors.
+            # blocks, and the load ends failed.
             log.warning("kvpushd: %s: %s", receive.request_id, exc)
             self._load_nothing(receive)
             return
@@ -1297,7 +1416,7 @@ class _WorkerSide:
             # Another request loads this transfer (the scheduler lets only
             # one claim it; this guards its bounded memory): this one
             # registers nothing, so no write can reach its blocks, and its
-            # load ends now as load errors.
+            # load ends now, failed.
             log.warning(
                 "kvpushd: %s: transfer %s is already loading for another request",
                 receive.request_id,
@@ -1307,7 +1426,6 @@ class _WorkerSide:
             return
         load = _Load(
             receive.request_id,
-            _every_block(receive.block_ids),
             receive.block_ids,
             self._nbytes(receive.block_ids),
             generation,
@@ -1320,8 +1438,8 @@ class _WorkerSide:
         self._forgo_unread(receive, generation)
 
     def _load_nothing(self, receive: ReceiveSpec) -> None:
-        """End a load that registered nothing: its blocks are load errors (vLLM recomputes)."""
-        self._load_errors.update(_every_block(receive.block_ids))
+        """End a load that registered nothing: it failed (vLLM recomputes or fails it)."""
+        self._failed_loads.add(receive.request_id)
         self._done_receiving.add(receive.request_id)
 
     def _forgo_all(self, forgone: ReceiveSpec, generation: int) -> None:
@@ -1546,6 +1664,18 @@ class _WorkerSide:
             await self._engine_ready(receive.engine_id)
             await self._register_receiver(receive, generation)
 
+    async def _announce(self, share: PushSpec) -> None:
+        """Register a pusher with no block for a transfer this instance will not push.
+
+        Not one of ours to report: vLLM has its blocks back already. Its
+        outcome comes as an event for a transfer this connection did not
+        post, which is released at once (``_on_daemon_event``).
+        """
+        with contextlib.suppress(ClientError, RuntimeError):  # the deadline ends it instead
+            client = self._need_client()
+            await self._register_pusher(share, client)
+            await client.kv_ready(share.transfer_id, timeout=CALL_TIMEOUT_S)
+
     async def _register_pusher(self, push: PushSpec, client: EngineClient) -> None:
         await self._engine_ready(push.engine_id)
         await client.register_request(
@@ -1586,7 +1716,8 @@ class _WorkerSide:
         log.warning("kvpushd: %s not registered: %s", transfer_id, exc)
         self._events.put(GaveUp(transfer_id, reason, str(exc)))
 
-    def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(Sends over, loads over, the loads of those that failed.)"""
         self._finished_seen.update(finished_req_ids)
         if len(self._finished_seen) > _MAX_SEEN:
             # Only sends wait for vLLM to name them finished: forget the others.
@@ -1604,7 +1735,9 @@ class _WorkerSide:
         self._done_sending -= sending
         self._finished_seen -= sending
         receiving, self._done_receiving = self._done_receiving, set()
-        return sending or None, receiving or None
+        # A failed load is finished too: vLLM ends its wait on both sets.
+        failed, self._failed_loads = self._failed_loads & receiving, self._failed_loads - receiving
+        return sending, receiving, failed
 
     def _on_event(self, event: rpc.Event | GaveUp | Freed | DaemonLost) -> None:
         if isinstance(event, DaemonLost):
@@ -1673,7 +1806,7 @@ class _WorkerSide:
             self._receiving.pop(share, None)
         if load.failed:
             # Never silently wrong KV: vLLM fails or recomputes these blocks.
-            self._load_errors.update(load.block_ids)
+            self._failed_loads.add(load.request_id)
         else:
             self.stats.loaded(load.nbytes, time.monotonic() - load.posted_at)
             if self._staging is not None:
@@ -1767,7 +1900,7 @@ class _WorkerSide:
 
         A prefill's blocks are no longer read by anyone (the daemon's NIXL
         agent died with it). A decode's blocks: its peer fences a dead daemon
-        and fails the write; the loads end as load errors, never as arrived.
+        and fails the write; the loads end failed, never as arrived.
         Transfers posted under a newer connection are not touched.
         """
         lost = [t for t, (_, g) in self._sending.items() if g <= generation]
@@ -1787,10 +1920,6 @@ class _WorkerSide:
             await (client or self._need_client()).release(transfer_id)
         self._posted.discard(transfer_id)
         self._releasing.discard(transfer_id)
-
-    def load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
 
     # plumbing -----------------------------------------------------------
 
@@ -1858,11 +1987,6 @@ def _log_failure(future: Any) -> None:
     exc = future.exception()
     if exc is not None:
         log.error("kvpushd: a daemon call failed: %r", exc)
-
-
-def _every_block(block_ids: Blocks) -> tuple[int, ...]:
-    """Every group's block ids in one tuple (vLLM's groups share one block pool)."""
-    return tuple(b for ids in block_ids for b in ids)
 
 
 def _layout(

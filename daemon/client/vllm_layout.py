@@ -10,9 +10,9 @@ never imports vLLM, so it is tested without it):
 - :func:`prompt_digest`: which prompt a transfer's KV was computed for, so
   that a router that changed the prompt between the legs gets a local
   prefill, never another prompt's KV.
-- :func:`group_windows`, :func:`moved_blocks`, :func:`window_gap`: which
-  blocks of a hybrid model's groups hold KV to move (a sliding-window group
-  moves only its window), and which prompts a decode cannot load (a window
+- :func:`group_windows`, :func:`window_gap`: a hybrid model's groups'
+  windows (vllm_hashes.prompt_blocks moves a sliding-window group's blocks
+  inside its window only), and which prompts a decode cannot load (a window
   the prefill no longer holds whole).
 - :func:`fingerprint`: what produced this instance's KV. The worker
   registers its engine with it, the prefill scheduler sends it in
@@ -129,22 +129,6 @@ def group_windows(kv_cache_config: Any) -> tuple[int, ...]:
     ) or (0,)
 
 
-def moved_blocks(block_ids: Sequence[Sequence[int]], windows: Sequence[int]) -> Blocks:
-    """The blocks of each group that hold KV: a sliding-window group's inside its window.
-
-    vLLM puts its null block in place of a sliding-window group's blocks
-    that fell out of the window, on the prefill (when the request ends) and
-    on the decode (when it allocates) alike; those hold nothing to move, and
-    the daemon's tail trim pairs what is left from the end.
-    """
-    if len(block_ids) != len(windows):
-        raise ValueError(f"{len(block_ids)} block lists for {len(windows)} KV cache groups")
-    return tuple(
-        tuple(b for b in ids if b != NULL_BLOCK) if window else tuple(ids)
-        for ids, window in zip(block_ids, windows, strict=True)
-    )
-
-
 def window_gap(prompt_len: int, block_size: int, windows: Sequence[int]) -> int | None:
     """The sliding window that lacks a token the decode needs for this prompt, or None.
 
@@ -199,7 +183,36 @@ def fingerprint(
         pp_size=int(getattr(parallel, "pipeline_parallel_size", 1)),
         engine=f"vllm {engine_version}",
         protocol=CONNECTOR_PROTOCOL,
+        quantization=str(getattr(model, "quantization", None) or ""),
+        overrides=_overrides_digest(getattr(model, "hf_overrides", None)),
+        speculative=_speculative(getattr(vllm_config, "speculative_config", None)),
     )
+
+
+# Speculative methods that keep no KV of their own (they propose from the
+# tokens): the target's KV is the same with them or without.
+_KV_FREE_PROPOSERS: Final = frozenset({"ngram", "suffix"})
+
+
+def _overrides_digest(overrides: Any) -> str:
+    """A digest of vLLM's ``hf_overrides`` ("": none); a callable is named by its qualified name."""
+    if not overrides:
+        return ""
+    if callable(overrides):
+        text = f"{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', '')}"
+    else:
+        text = repr(sorted(dict(overrides).items()))
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def _speculative(config: Any) -> str:
+    """The speculative settings that change what is cached ("": none that do)."""
+    method = getattr(config, "method", None) if config is not None else None
+    if not method or method in _KV_FREE_PROPOSERS:
+        return ""
+    draft = getattr(config, "model", None) or ""
+    tokens = getattr(config, "num_speculative_tokens", None) or 0
+    return f"{method}:{draft}:{tokens}"
 
 
 def prompt_digest(token_ids: Sequence[int]) -> str:

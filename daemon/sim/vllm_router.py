@@ -148,13 +148,19 @@ def prefill_leg(
     decode_tp: int | None = None,
     decode_pp: int | None = None,
     timeout_s: float = 120.0,
+    max_tokens: int = 1,
+    transfer_id: str | None = None,
 ) -> dict[str, Any]:
     """Step 1 alone: the ``kv_transfer_params`` the prefill server answers with.
 
     ``decode_tp``, ``decode_pp``: the decode's sizes to name (None: unsaid,
-    as vLLM's own proxies send the prefill leg).
+    as vLLM's own proxies send the prefill leg). ``max_tokens``: the
+    prefill leg's (routers that do not follow the contract send more than
+    1); ``transfer_id``: a router-made transfer id on the leg.
     """
-    answer = _prefill(prefill, prompt, None, timeout_s, decode_tp, decode_pp)
+    answer = _prefill(
+        prefill, prompt, None, timeout_s, decode_tp, decode_pp, max_tokens, transfer_id
+    )
     return _params_of(prefill, answer)
 
 
@@ -165,13 +171,17 @@ def _prefill(
     timeout_s: float,
     decode_tp: int | None,
     decode_pp: int | None,
+    max_tokens: int = 1,
+    transfer_id: str | None = None,
 ) -> Completion:
     params: dict[str, Any] = {"do_remote_decode": True}
     for key, size in (("kvpushd_decode_tp", decode_tp), ("kvpushd_decode_pp", decode_pp)):
         if size is not None:
             params[key] = size
+    if transfer_id is not None:
+        params["transfer_id"] = transfer_id
     return prefill.complete(
-        prompt, 1, request_id=request_id, kv_transfer_params=params, timeout_s=timeout_s
+        prompt, max_tokens, request_id=request_id, kv_transfer_params=params, timeout_s=timeout_s
     )
 
 

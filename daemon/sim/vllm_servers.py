@@ -522,6 +522,7 @@ def kvpushd_pd(
     decode_kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
     decode_extra_config: dict[str, Any] | None = None,
     decode_server_env: dict[str, str] | None = None,
+    prefill_server_env: dict[str, str] | None = None,
     prefill_extra_config: dict[str, Any] | None = None,
     hosts: Any = None,
     **decode_config: Any,
@@ -542,7 +543,8 @@ def kvpushd_pd(
     (``[deadlines]``...); ``decode_kv_cache_bytes`` sizes the decode's KV
     cache, ``decode_extra_config`` adds its connector settings,
     ``decode_server_env`` to the decode vLLM server's environment (the
-    connector's ``KVPUSHD_FAILPOINTS``), ``prefill_extra_config`` the
+    connector's ``KVPUSHD_FAILPOINTS``), ``prefill_server_env`` the prefill
+    vLLM server's, ``prefill_extra_config`` the
     prefill's connector settings (``kv_buffer``); ``hosts`` (a
     :class:`daemon.sim.hosts.Hosts` with hosts ``router``, ``prefill`` and
     ``decode``) puts each daemon and its server on its own host, UCX over
@@ -577,7 +579,7 @@ def kvpushd_pd(
     shm_before = vllm_shm_segments()
     p = VllmServer(
         "P", prefill_model or model, workdir, core=cores[0], eager=eager and prefill_pp == 1,
-        tp=prefill_tp, pp=prefill_pp, **served["prefill"],
+        tp=prefill_tp, pp=prefill_pp, env=prefill_server_env or {}, **served["prefill"],
         extra_args=[
             "--kv-transfer-config",
             kvpushd_connector_config("kv_producer", prefill, prefill_extra_config),

@@ -1,0 +1,254 @@
+"""Never wrong by construction, on real vLLM: blocks paired by their content hashes.
+
+Each case here served wrong tokens, leaked blocks or was never refused
+before block hashes (daemon/client/vllm_hashes.py, statemachine/content.py):
+
+- a prefill leg run with ``max_tokens`` above 1 computed a token past the
+  prompt; at a prompt length that fills its last block the prefill pushed a
+  block more than the decode has, and the tail trim paired every decode
+  block with the block after its own (4 of 12 prompts decoded wrong);
+- a planted misalignment (the prefill names one block less at its end)
+  was written as it came: now the block hashes refuse it before any byte;
+- a router ``transfer_id`` used by two live prefill requests lost the
+  first push's bookkeeping, and its blocks stayed held for good.
+
+The decode recomputes a load that failed (``kv_load_failure_policy``
+recompute), so every answer still equals a single instance's.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from daemon.sim.launcher import Daemon, wait_idle
+from daemon.sim.vllm_router import prefill_leg
+from daemon.sim.vllm_servers import VllmServer, kvpushd_pd
+from schemas.events import Failed, Registered, WriteDone, WriteStarted
+from schemas.reasons import Reason
+from statemachine.content import decode as decode_content
+
+TOKENS = 8
+BLOCK = 32
+EXTERNAL = "vllm:prompt_tokens_by_source_total"
+
+PD = tuple[VllmServer, VllmServer, Daemon, Daemon]
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
+    with kvpushd_pd(
+        tiny_model,
+        tmp_path_factory.mktemp("pd-never-wrong"),
+        # The first push of the prefill instance is the planted misalignment.
+        prefill_server_env={"KVPUSHD_FAILPOINTS": "connector.shift_push=corrupt@1"},
+        kv_load_failure_policy="recompute",
+    ) as pair:
+        yield pair
+
+
+def _external(d: VllmServer) -> float:
+    return d.metrics().total(EXTERNAL, source="external_kv_transfer")
+
+
+def _kv_usage_back_to_zero(server: VllmServer, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while server.metrics().total("vllm:kv_cache_usage_perc") > 0:
+        assert time.monotonic() < deadline, f"{server.name} still holds KV blocks"
+        time.sleep(0.2)
+
+
+def test_a_push_shifted_by_one_block_is_refused_by_the_hashes_before_any_write(pd: PD) -> None:
+    """The planted misalignment (first push): refused, naming the first block that differs.
+
+    The decode holds the prompt's first 3 blocks in its own cache and names
+    blocks 3 and 4; the prefill names blocks 0 to 3 (its last one left out),
+    so the tail trim pairs decode block 3 with prefill block 2. Without
+    block hashes that was written as it came, and decoded.
+    """
+    p, d, prefill, decode = pd
+    rng = random.Random(1)
+    prompt = [rng.randrange(2, 512) for _ in range(150)]
+    # The decode's own prefix hit: 96 shared tokens are 3 full blocks.
+    d.complete(prompt[:96] + [rng.randrange(2, 512) for _ in range(40)], 1)
+    single = p.complete(prompt, TOKENS).token_ids
+    before = _external(d)
+    sent = prefill_leg(p, prompt)
+    assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
+    assert _external(d) == before  # the load failed; the decode computed the prompt
+    wait_idle(prefill, decode, timeout=10)
+    transfer = sent["kvpushd_transfer_id"]
+    for daemon in (prefill, decode):
+        events = daemon.journal_events(transfer)
+        assert not [e for e in events if isinstance(e, WriteStarted)], (daemon.node, events)
+        (failed,) = [e for e in events if isinstance(e, Failed)]
+        assert failed.reason is Reason.CONTENT_MISMATCH, (daemon.node, failed)
+    (failed,) = [e for e in prefill.journal_events(transfer) if isinstance(e, Failed)]
+    message = failed.message
+    assert "the decode's block for prompt block 3" in message, message
+    assert "would receive the prefill's prompt block 2" in message, message
+    assert "the prefill holds that hash at prompt block 3" in message, message
+    _kv_usage_back_to_zero(p)
+    _kv_usage_back_to_zero(d)
+
+
+@pytest.mark.parametrize("prefill_tokens", [2, 5])
+def test_a_prefill_leg_with_more_than_one_token_pushes_exactly_the_prompt(
+    pd: PD, prefill_tokens: int
+) -> None:
+    """Prompt lengths k*32-1, k*32 and k*32+1: the decode's tokens equal a single instance's.
+
+    At k*32 the prefill computed a token into a block past the prompt; it
+    pushes the prompt's blocks only, each named with its hash.
+    """
+    p, d, prefill, decode = pd
+    rng = random.Random(prefill_tokens)
+    for length in (63, 64, 65, 127, 128, 129):
+        prompt = [rng.randrange(2, 512) for _ in range(length)]
+        single = p.complete(prompt, TOKENS).token_ids
+        before = _external(d)
+        sent = prefill_leg(p, prompt, max_tokens=prefill_tokens)
+        assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single, length
+        assert _external(d) - before >= length - 1, length
+        wait_idle(prefill, decode, timeout=10)
+        transfer = sent["kvpushd_transfer_id"]
+        (push,) = [e for e in prefill.journal_events(transfer) if isinstance(e, Registered)]
+        (blocks,) = push.blocks
+        assert len(blocks) == -(-length // BLOCK), (length, push.blocks)
+        hashes = decode_content(transfer, push.content)
+        assert hashes is not None and hashes[0] is not None, push.content
+        assert hashes[0].first == 0 and len(hashes[0].hashes) == len(blocks)
+        assert any(isinstance(e, WriteDone) for e in decode.journal_events(transfer))
+
+
+def test_a_transfer_id_used_by_two_live_prefill_requests_pushes_once_and_leaks_nothing(
+    pd: PD,
+) -> None:
+    """A router's retry under its own ``transfer_id``: the second leg pushes nothing.
+
+    The first push goes on and loads; the second prefill request's blocks go
+    back at once; after the decode loaded, the prefill instance holds no
+    block and has no push pending.
+    """
+    p, d, prefill, decode = pd
+    rng = random.Random(77)
+    prompt = [rng.randrange(2, 512) for _ in range(100)]
+    single = p.complete(prompt, TOKENS).token_ids
+    first = prefill_leg(p, prompt, transfer_id="xfer-reused-1")
+    again = p.complete(
+        prompt,
+        1,
+        kv_transfer_params={"do_remote_decode": True, "transfer_id": "xfer-reused-1"},
+    )
+    assert not again.raw.get("kv_transfer_params"), again.raw  # nothing to load from
+    assert first["kvpushd_transfer_id"] == "xfer-reused-1"
+    before = _external(d)
+    assert d.complete(prompt, TOKENS, kv_transfer_params=first).token_ids == single
+    assert _external(d) - before >= len(prompt) - 1
+    wait_idle(prefill, decode, timeout=10)
+    registered = [e for e in prefill.journal_events("xfer-reused-1") if isinstance(e, Registered)]
+    assert len(registered) == 1, registered
+    _kv_usage_back_to_zero(p)
+    _kv_usage_back_to_zero(d)
+    assert "already pushed by" in p.log.read_text(errors="replace")
+
+
+def test_a_prefill_leg_aborted_with_both_legs_at_once_ends_the_decodes_wait_at_once(
+    pd: PD,
+) -> None:
+    """Both legs at once, and the prefill's client goes away: nothing will be pushed.
+
+    The prefill instance says so at once (a pusher with no block, its
+    content naming why): the decode's early receiver is refused within a
+    second or two instead of waiting for the push's 30 s deadline, and the
+    decode computes the prompt itself.
+    """
+    p, d, prefill, decode = pd
+    rng = random.Random(78)
+    prompt = [rng.randrange(2, 512) for _ in range(120)]
+    single = p.complete(prompt, TOKENS).token_ids
+    transfer = "xfer-aborted-prefill"
+    decode_params = {
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "remote_engine_id": prefill.node,
+        "remote_host": "127.0.0.1",
+        "remote_port": prefill.port,
+        "tp_size": 1,
+        "pp_size": 1,
+        "transfer_id": transfer,
+    }
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": 900,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "kv_transfer_params": {"do_remote_decode": True, "transfer_id": transfer},
+    }
+    with ThreadPoolExecutor(1) as pool:
+        decoding = pool.submit(
+            d.complete, prompt, TOKENS, kv_transfer_params=decode_params, timeout_s=60
+        )
+        conn = http.client.HTTPConnection("127.0.0.1", p.port, timeout=30)
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        response = conn.getresponse()
+        assert response.status == 200
+        assert response.readline()  # the prompt is computed; the client goes
+        conn.close()
+        gone = time.monotonic()
+        assert decoding.result().token_ids == single
+        waited = time.monotonic() - gone
+    assert waited < 10, waited  # the push's registered deadline is 30 s
+    wait_idle(prefill, decode, timeout=10)
+    events = prefill.journal_events(transfer)
+    (failed,) = [e for e in events if isinstance(e, Failed)]
+    assert failed.reason is Reason.CONTENT_MISMATCH, failed
+    assert "not pushed: the prefill request ended FINISHED_ABORTED" in failed.message
+    assert not [e for e in events if isinstance(e, WriteStarted)]
+    _kv_usage_back_to_zero(p)
+    _kv_usage_back_to_zero(d)
+
+
+def test_a_decode_daemon_outage_does_not_pin_the_prefills_blocks(pd: PD) -> None:
+    """The decode daemon is gone (SIGKILL) while prefill legs keep coming.
+
+    The decode instance computes those prompts (its loads fail at once: no
+    daemon), so no receiver ever claims the pushes; each push holds the
+    prefill's blocks for ``[deadlines] unclaimed`` (5 s), not for the whole
+    ``registered`` deadline (30 s). After a restart, remote KV comes back.
+    """
+    p, d, prefill, decode = pd
+    rng = random.Random(79)
+    decode.kill()
+    sent_at = time.monotonic()
+    for _ in range(6):
+        prompt = [rng.randrange(2, 512) for _ in range(200)]
+        single = p.complete(prompt, TOKENS).token_ids
+        sent = prefill_leg(p, prompt)
+        assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
+    assert p.metrics().total("vllm:kv_cache_usage_perc") > 0  # the pushes hold their blocks
+    _kv_usage_back_to_zero(p, timeout_s=15)
+    assert time.monotonic() - sent_at < 25  # well before a 30 s registered deadline
+    assert prefill.status()["live"] == 0
+    decode.start()
+    deadline = time.monotonic() + 30
+    while not decode.status()["engines"]:
+        assert time.monotonic() < deadline, "the decode connector did not register again"
+        time.sleep(0.2)
+    prompt = [rng.randrange(2, 512) for _ in range(100)]
+    single = p.complete(prompt, TOKENS).token_ids
+    before = _external(d)
+    sent = prefill_leg(p, prompt)
+    assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
+    assert _external(d) - before >= len(prompt) - 1
