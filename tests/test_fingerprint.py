@@ -68,6 +68,9 @@ def test_equal_fingerprints_pair_and_so_do_two_undeclared_ones() -> None:
         ("protocol", 3),
         ("kv_head_range", (0, 1)),
         ("layer_range", (0, 1)),
+        ("quantization", "fp8"),
+        ("overrides", "0123456789abcdef"),
+        ("speculative", "eagle:/drafts/d:3"),
     ],
 )
 def test_any_differing_field_is_refused_by_name(field: str, value: object) -> None:

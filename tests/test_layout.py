@@ -122,8 +122,8 @@ RULES = (
     Rule(
         "vllm-apart",
         "nothing in the package imports vllm but the connector vLLM loads (daemon/client/vllm.py,"
-        " its stats, vllm_stats.py, and its block hashes, vllm_hashes.py); tests_vllm/ and daemon/sim/vllm_servers.py run vLLM"
-        " as a process",
+        " its stats, vllm_stats.py, and its block hashes, vllm_hashes.py); tests_vllm/ and"
+        " daemon/sim/vllm_servers.py run vLLM as a process",
         lambda m: is_under(m, PACKAGE) and m not in CONNECTOR,
         lambda n: not is_under(n, ("vllm",)),
     ),
