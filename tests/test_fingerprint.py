@@ -91,7 +91,8 @@ def test_every_fingerprint_field_is_named_by_the_parametrized_test() -> None:
     # A field added to Fingerprint must be compared (and tested) like the others.
     named = {"model", "revision", "dtype", "kv_cache_dtype", "block_size", "num_layers"}
     named |= {"num_kv_heads", "head_size", "kv_layout", "tp_size", "pp_size", "engine"}
-    named |= {"protocol", "kv_head_range", "layer_range"}
+    named |= {"protocol", "kv_head_range", "layer_range", "quantization", "overrides"}
+    named |= {"speculative"}
     assert set(Fingerprint.__struct_fields__) == named
 
 
