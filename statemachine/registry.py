@@ -636,9 +636,12 @@ class Registry:
     def _apply_registered(self, event: Registered, ts: float) -> RequestRecord:
         pending = self._check_registered(event)
         rid, inc = event.request_id, event.incarnation
+        # A pusher whose receiver is already pending is claimed: it waits ``registered``.
+        claimed = pending is not None and pending.registration.incarnation == inc
+        wait = self.deadlines.registered if claimed else self._registered_wait(event.role)
         record = RequestRecord(
             rid, inc, event.role, event.engine_id, event.peer, REGISTERED, event.blocks, ts,
-            ts + self._registered_wait(event.role), content=event.content,
+            ts + wait, content=event.content,
         )  # fmt: skip
         if event.offload_slots:
             self._hold_slots(rid, event.engine_id, event.offload_slots)

@@ -787,7 +787,7 @@ def test_pending_deadline_applies_while_other_incarnation_is_live() -> None:
 
 
 def test_a_hold_extends_a_waiting_pusher_by_one_registered_deadline_up_to_the_bound() -> None:
-    n = Node(deadlines=Deadlines(registered=10.0, held=25.0))
+    n = Node(deadlines=Deadlines(registered=10.0, held=25.0, unclaimed=10.0))
     rec = n.register("p", PUSHER, [[1, 2]])
     assert rec.deadline == 10.0
     n.now = 6.0
