@@ -137,8 +137,9 @@ def test_a_prompt_whose_window_starts_a_freed_block_cannot_be_loaded(
     assert window_gap(prompt_len, 32, (0,)) is None
 
 
-def test_the_fingerprint_names_each_groups_window() -> None:
-    vllm_config = SimpleNamespace(
+def _vllm_config(speculative: object = None, **model: object) -> SimpleNamespace:
+    """A tiny llama's vLLM config, as the fingerprint reads it (``model``: more model fields)."""
+    return SimpleNamespace(
         model_config=SimpleNamespace(
             model="/m",
             revision=None,
@@ -146,10 +147,16 @@ def test_the_fingerprint_names_each_groups_window() -> None:
             get_total_num_hidden_layers=lambda: 2,
             get_total_num_kv_heads=lambda: 2,
             get_head_size=lambda: 64,
+            **model,
         ),
         cache_config=SimpleNamespace(cache_dtype="auto", block_size=32),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        speculative_config=speculative,
     )
+
+
+def test_the_fingerprint_names_each_groups_window() -> None:
+    vllm_config = _vllm_config()
     hybrid = fingerprint(vllm_config, "0", kv_cache_config=HYBRID)
     single = fingerprint(
         vllm_config, "0", kv_cache_config=_groups(FullAttentionSpec(block_size=32))
@@ -170,28 +177,12 @@ def test_the_fingerprint_names_each_groups_window() -> None:
 def test_the_fingerprint_names_what_else_changes_the_kv(
     field: str, model: dict[str, object], speculative: object
 ) -> None:
-    def config(more: dict[str, object], spec: object) -> SimpleNamespace:
-        return SimpleNamespace(
-            model_config=SimpleNamespace(
-                model="/m",
-                revision=None,
-                dtype="torch.float32",
-                get_total_num_hidden_layers=lambda: 2,
-                get_total_num_kv_heads=lambda: 2,
-                get_head_size=lambda: 64,
-                **more,
-            ),
-            cache_config=SimpleNamespace(cache_dtype="auto", block_size=32),
-            parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-            speculative_config=spec,
-        )
-
-    plain = fingerprint(config({}, None), "0")
-    other = fingerprint(config(model, speculative), "0")
+    plain = fingerprint(_vllm_config(), "0")
+    other = fingerprint(_vllm_config(speculative, **model), "0")
     assert first_difference(plain, other)[0] == field
     # n-gram proposals keep no KV of their own: the KV pairs.
     ngram = SimpleNamespace(method="ngram", model=None, num_speculative_tokens=4)
-    assert first_difference(plain, fingerprint(config({}, ngram), "0")) is None
+    assert first_difference(plain, fingerprint(_vllm_config(ngram), "0")) is None
 
 
 # ------------------------------------------------------------- rank pairing

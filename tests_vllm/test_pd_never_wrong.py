@@ -58,13 +58,6 @@ def _external(d: VllmServer) -> float:
     return d.metrics().total(EXTERNAL, source="external_kv_transfer")
 
 
-def _kv_usage_back_to_zero(server: VllmServer, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while server.metrics().total("vllm:kv_cache_usage_perc") > 0:
-        assert time.monotonic() < deadline, f"{server.name} still holds KV blocks"
-        time.sleep(0.2)
-
-
 def test_a_push_shifted_by_one_block_is_refused_by_the_hashes_before_any_write(pd: PD) -> None:
     """The planted misalignment (first push): refused, naming the first block that differs.
 
@@ -95,8 +88,8 @@ def test_a_push_shifted_by_one_block_is_refused_by_the_hashes_before_any_write(p
     assert "the decode's block for prompt block 3" in message, message
     assert "would receive the prefill's prompt block 2" in message, message
     assert "the prefill holds that hash at prompt block 3" in message, message
-    _kv_usage_back_to_zero(p)
-    _kv_usage_back_to_zero(d)
+    p.wait_kv_usage_zero()
+    d.wait_kv_usage_zero()
 
 
 @pytest.mark.parametrize("prefill_tokens", [2, 5])
@@ -155,8 +148,8 @@ def test_a_transfer_id_used_by_two_live_prefill_requests_pushes_once_and_leaks_n
     wait_idle(prefill, decode, timeout=10)
     registered = [e for e in prefill.journal_events("xfer-reused-1") if isinstance(e, Registered)]
     assert len(registered) == 1, registered
-    _kv_usage_back_to_zero(p)
-    _kv_usage_back_to_zero(d)
+    p.wait_kv_usage_zero()
+    d.wait_kv_usage_zero()
     assert "already pushed by" in p.log.read_text(errors="replace")
 
 
@@ -216,8 +209,8 @@ def test_a_prefill_leg_aborted_with_both_legs_at_once_ends_the_decodes_wait_at_o
     assert failed.reason is Reason.CONTENT_MISMATCH, failed
     assert "not pushed: the prefill request ended FINISHED_ABORTED" in failed.message
     assert not [e for e in events if isinstance(e, WriteStarted)]
-    _kv_usage_back_to_zero(p)
-    _kv_usage_back_to_zero(d)
+    p.wait_kv_usage_zero()
+    d.wait_kv_usage_zero()
 
 
 def test_a_decode_daemon_outage_does_not_pin_the_prefills_blocks(pd: PD) -> None:
@@ -238,7 +231,7 @@ def test_a_decode_daemon_outage_does_not_pin_the_prefills_blocks(pd: PD) -> None
         sent = prefill_leg(p, prompt)
         assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
     assert p.metrics().total("vllm:kv_cache_usage_perc") > 0  # the pushes hold their blocks
-    _kv_usage_back_to_zero(p, timeout_s=15)
+    p.wait_kv_usage_zero(timeout_s=15)
     assert time.monotonic() - sent_at < 25  # well before a 30 s registered deadline
     assert prefill.status()["live"] == 0
     decode.start()

@@ -757,8 +757,7 @@ class _SchedulerSide:
         # A decode with more TP ranks or stages, named by the router: each
         # rank pushes one share per decode rank (and stage) it feeds
         # (statemachine/ranks.py).
-        by_tp = split_tp(self._fingerprint, params.get("kvpushd_decode_tp"))
-        by_pp = split_pp(self._fingerprint, params.get("kvpushd_decode_pp"))
+        by_tp, by_pp = self._splits(params)
         self._pending.push.append(
             PushSpec(
                 request.request_id,
@@ -785,6 +784,13 @@ class _SchedulerSide:
             "kvpushd_prompt_digest": digest,
         }
 
+    def _splits(self, params: dict[str, Any]) -> tuple[int, int]:
+        """The decode's TP and PP sizes this instance splits its push for (0: its own)."""
+        return (
+            split_tp(self._fingerprint, params.get("kvpushd_decode_tp")),
+            split_pp(self._fingerprint, params.get("kvpushd_decode_pp")),
+        )
+
     def _not_pushing(self, request: Request, params: dict[str, Any], why: str) -> None:
         """Say at once that a transfer a router named will not be pushed.
 
@@ -797,8 +803,7 @@ class _SchedulerSide:
         transfer_id = _router_transfer_id(params)
         if transfer_id is None or transfer_id in self._push_owners:
             return
-        by_tp = split_tp(self._fingerprint, params.get("kvpushd_decode_tp"))
-        by_pp = split_pp(self._fingerprint, params.get("kvpushd_decode_pp"))
+        by_tp, by_pp = self._splits(params)
         self._pending.unpushed.append(
             PushSpec(
                 request.request_id,
@@ -1735,8 +1740,9 @@ class _WorkerSide:
         self._done_sending -= sending
         self._finished_seen -= sending
         receiving, self._done_receiving = self._done_receiving, set()
-        # A failed load is finished too: vLLM ends its wait on both sets.
-        failed, self._failed_loads = self._failed_loads & receiving, self._failed_loads - receiving
+        # A failed load is finished too (every one is in ``receiving``):
+        # vLLM ends its wait on both sets.
+        failed, self._failed_loads = self._failed_loads, set()
         return sending, receiving, failed
 
     def _on_event(self, event: rpc.Event | GaveUp | Freed | DaemonLost) -> None:

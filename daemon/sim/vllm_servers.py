@@ -382,6 +382,13 @@ class VllmServer:
 
         return entered(self.client_netns)
 
+    def wait_kv_usage_zero(self, timeout_s: float = 10.0) -> None:
+        """Wait until vLLM holds no KV block (``vllm:kv_cache_usage_perc`` 0), or fail."""
+        deadline = time.monotonic() + timeout_s
+        while self.metrics().total("vllm:kv_cache_usage_perc") > 0:
+            assert time.monotonic() < deadline, f"{self.name} still holds KV blocks"
+            time.sleep(0.2)
+
     def metrics(self, timeout_s: float = 10.0) -> Metrics:
         url = self.url + "/metrics"
         with self.client(), urllib.request.urlopen(url, timeout=timeout_s) as resp:
