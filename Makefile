@@ -10,7 +10,14 @@ VLLM_VENV  ?= .venv-vllm
 VLLM_BIN   := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo demo-vllm test test-vllm lint bench bench-vllm bench-ab bench-vllm-ab clean venv venv-vllm
+# The differential P/D fuzzer on real vLLM (tools/pd_fuzz.py), longer than
+# `make test`'s fixed 40 cases: `make fuzz-vllm SEED=3 CASES=500 SHAPES=tp1,hybrid`;
+# ONLY=N reruns case N alone (ONLY_BATCH=N a batch), as a failure's line says.
+SEED   ?= 1
+CASES  ?= 200
+SHAPES ?= tp1,small-kv,staging,hybrid,tp2-1
+
+.PHONY: fuzz-vllm demo demo-vllm test test-vllm lint bench bench-vllm bench-ab bench-vllm-ab clean venv venv-vllm
 
 venv: $(STAMP)
 
@@ -50,6 +57,10 @@ test: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-vllm
+
+fuzz-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/python tools/pd_fuzz.py --seed $(SEED) --cases $(CASES) --shapes $(SHAPES) \
+		$(if $(ONLY),--only $(ONLY)) $(if $(ONLY_BATCH),--only-batch $(ONLY_BATCH)) $(ARGS)
 
 # Real vLLM servers (one core each) on a tiny seeded llama: tests_vllm/ is its
 # own pytest rootdir, so the main suite never collects it.
