@@ -243,6 +243,17 @@ def find_case(batches: list[Batch], index: int) -> tuple[Batch, Case]:
     raise KeyError(f"no case {index} in this run (it has {sum(len(b.cases) for b in batches)})")
 
 
+def is_clean(case: Case, batch: Batch) -> bool:
+    """Nothing goes wrong around this case: no router fault, no fault of the system, one choice.
+
+    Only a clean case must load remote KV, and only a clean case's request
+    must end alike on both daemons (``journal replay`` names no disagreement).
+    """
+    return (
+        case.fault is RouterFault.NONE and batch.system is SystemFault.NONE and case.prefill_n == 1
+    )
+
+
 def allowed(case: Case, batch: Batch, model: Model) -> frozenset[Outcome]:
     """The outcomes ``case`` permits for its decode leg(s); WRONG never is."""
     outcomes = {Outcome.REMOTE, Outcome.LOCAL}
@@ -255,13 +266,7 @@ def allowed(case: Case, batch: Batch, model: Model) -> frozenset[Outcome]:
     # the router or of the system, a pool with room, and tokens to load
     # (vLLM computes the prompt's last token itself, and a prefix hit's).
     loadable = case.prompt_len - 1 > case.prefix_blocks * model.block_size
-    clean = (
-        case.fault is RouterFault.NONE
-        and batch.system is SystemFault.NONE
-        and not batch.small_pool
-        and case.prefill_n == 1
-    )
-    if clean and loadable:
+    if is_clean(case, batch) and not batch.small_pool and loadable:
         outcomes.discard(Outcome.LOCAL)
     return frozenset(outcomes)
 
