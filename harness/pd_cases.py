@@ -74,6 +74,11 @@ class Model:
     block_size: int
     max_model_len: int
     vocab_size: int
+    # A sliding-window layer's window (0: none). vLLM frees the blocks a
+    # window has left behind while the prefill leg generates, so a prefill
+    # leg of more than one token may no longer hold the window's first block
+    # the decode needs: that push is refused (content_mismatch), never wrong.
+    sliding_window: int = 0
 
 
 @dataclass(frozen=True)
@@ -266,7 +271,8 @@ def allowed(case: Case, batch: Batch, model: Model) -> frozenset[Outcome]:
     # the router or of the system, a pool with room, and tokens to load
     # (vLLM computes the prompt's last token itself, and a prefix hit's).
     loadable = case.prompt_len - 1 > case.prefix_blocks * model.block_size
-    if is_clean(case, batch) and not batch.small_pool and loadable:
+    window_moved = model.sliding_window > 0 and case.prefill_max_tokens > 1
+    if is_clean(case, batch) and not batch.small_pool and loadable and not window_moved:
         outcomes.discard(Outcome.LOCAL)
     return frozenset(outcomes)
 

@@ -794,4 +794,5 @@ def _small(batch: Batch) -> Batch:
 
 def _model_of(server: VllmServer) -> Model:
     config = json.loads((server.model / "config.json").read_text())
-    return Model(server.block_size, server.max_model_len, int(config["vocab_size"]))
+    window = int(config.get("sliding_window") or 0)
+    return Model(server.block_size, server.max_model_len, int(config["vocab_size"]), window)

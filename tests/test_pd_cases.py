@@ -80,7 +80,12 @@ def test_the_ci_run_draws_every_router_fault_system_fault_dispatch_and_length_ki
 def test_remote_kv_is_required_only_of_a_clean_case_with_tokens_to_load() -> None:
     (batch, *_) = draw_run(3, 30, MODEL)
     case = dataclasses.replace(
-        batch.cases[0], fault=RouterFault.NONE, prompt_len=100, prefix_blocks=0, prefill_n=1
+        batch.cases[0],
+        fault=RouterFault.NONE,
+        prompt_len=100,
+        prefix_blocks=0,
+        prefill_n=1,
+        prefill_max_tokens=1,
     )
     quiet = dataclasses.replace(batch, system=SystemFault.NONE, small_pool=False)
     assert allowed(case, quiet, MODEL) == {Outcome.REMOTE}
@@ -94,6 +99,11 @@ def test_remote_kv_is_required_only_of_a_clean_case_with_tokens_to_load() -> Non
     assert Outcome.ABORTED in allowed(
         dataclasses.replace(case, fault=RouterFault.ABORT_DECODE_MID), quiet, MODEL
     )
+    # A sliding window moves while a prefill leg of 5 tokens generates (fuzz seed 104).
+    windowed = dataclasses.replace(MODEL, sliding_window=48)
+    assert allowed(case, quiet, windowed) == {Outcome.REMOTE}
+    five = dataclasses.replace(case, prefill_max_tokens=5)
+    assert Outcome.LOCAL in allowed(five, quiet, windowed)
     for system in set(SystemFault) - {SystemFault.NONE}:
         assert Outcome.LOCAL in allowed(case, dataclasses.replace(quiet, system=system), MODEL)
     assert Outcome.LOCAL in allowed(case, dataclasses.replace(quiet, small_pool=True), MODEL)

@@ -121,3 +121,33 @@ def test_the_prefill_daemon_killed_with_a_hybrid_load_in_flight_leaves_vllm_serv
         time.sleep(0.1)
     assert d.alive()
     _loads_token_exact(p, d, rng)
+
+
+def test_a_prefill_leg_whose_window_moved_past_a_block_is_refused_not_written(
+    hybrid: PD,
+) -> None:
+    """Found by the P/D fuzzer (seed 104, shape hybrid, case 22): refused, and said so.
+
+    A prefill leg of 5 tokens at a 875-token prompt: while it generates, the
+    48-token window of layer 0 moves past a block boundary and vLLM frees
+    the block the window left, so the prefill no longer holds prompt block
+    25, which the decode's window needs. The block hashes refuse the push
+    before any write; the decode computes, token-exact. With a prefill leg
+    of 1 token the same prompt loads.
+    """
+    p, d, prefill, decode = hybrid
+    rng = random.Random(22)
+    prompt = [rng.randrange(2, 512) for _ in range(875)]
+    single = p.complete(prompt, TOKENS).token_ids
+    sent = prefill_leg(p, prompt, max_tokens=5)
+    assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
+    wait_idle(prefill, decode, timeout=10)
+    events = prefill.journal_events(sent["kvpushd_transfer_id"])
+    (failed,) = [e for e in events if isinstance(e, Failed)]
+    assert failed.reason is Reason.CONTENT_MISMATCH, failed
+    assert "has no prefill block to pair with" in failed.message, failed.message
+    assert not [e for e in events if isinstance(e, WriteStarted)]
+    before = _external(d)
+    sent = prefill_leg(p, prompt)
+    assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
+    assert _external(d) - before >= len(prompt) - 1
