@@ -496,12 +496,14 @@ def excused(entry: Any, ran: dict[int, tuple[Case, Batch]]) -> bool:
     """An anomaly a case caused: two sides that end differently where the case broke something.
 
     A decode aborted after the push was done, a decode leg sent twice, a
-    daemon killed: the sides' outcomes differ and the journal says so. Only a
-    clean case's (:func:`harness.pd_cases.is_clean`) must agree.
+    daemon killed: the sides' outcomes differ and the journal says so; so do
+    the TP shares of one transfer that each failed for its own reason (one
+    at its deadline, the other cancelled by its peer). Only a clean case's
+    (:func:`harness.pd_cases.is_clean`) sides and shares must agree.
     """
-    if not isinstance(entry, dict) or "sides" not in entry:
+    if not isinstance(entry, dict) or not ({"sides", "shares"} & entry.keys()):
         return False
-    match = _CASE_OF.search(str(entry.get("request_id", "")))
+    match = _CASE_OF.search(str(entry.get("request_id") or entry.get("transfer") or ""))
     if match is None or int(match.group(1)) not in ran:
         return False
     return not is_clean(*ran[int(match.group(1))])
