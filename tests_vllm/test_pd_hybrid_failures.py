@@ -133,7 +133,7 @@ def test_a_prefill_leg_whose_window_moved_past_a_block_is_refused_not_written(
     the block the window left, so the prefill no longer holds prompt block
     25, which the decode's window needs. The block hashes refuse the push
     before any write; the decode computes, token-exact. With a prefill leg
-    of 1 token the same prompt loads.
+    of 1 token a prompt of that length loads.
     """
     p, d, prefill, decode = hybrid
     rng = random.Random(22)
@@ -147,6 +147,9 @@ def test_a_prefill_leg_whose_window_moved_past_a_block_is_refused_not_written(
     assert failed.reason is Reason.CONTENT_MISMATCH, failed
     assert "has no prefill block to pair with" in failed.message, failed.message
     assert not [e for e in events if isinstance(e, WriteStarted)]
+    # Another prompt of the same length (the decode's cache now holds this one).
+    prompt = [rng.randrange(2, 512) for _ in range(875)]
+    single = p.complete(prompt, TOKENS).token_ids
     before = _external(d)
     sent = prefill_leg(p, prompt)
     assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
