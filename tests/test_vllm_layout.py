@@ -47,6 +47,12 @@ def test_each_parallel_setting_above_one_is_refused_by_name(setting: str, flag: 
     assert f"{flag} 1" in str(refused.value)
 
 
+def test_data_parallel_engines_are_accepted() -> None:
+    # Each DP engine is an instance of its own to the daemon
+    # (tests_vllm/test_pd_production.py drives every engine pair).
+    check_supported(_config(data_parallel_size=2), None)
+
+
 def test_a_setting_this_vllm_does_not_have_counts_as_one() -> None:
     check_supported(SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1)))
 
@@ -137,7 +143,9 @@ def test_a_prompt_whose_window_starts_a_freed_block_cannot_be_loaded(
     assert window_gap(prompt_len, 32, (0,)) is None
 
 
-def _vllm_config(speculative: object = None, **model: object) -> SimpleNamespace:
+def _vllm_config(
+    speculative: object = None, cache_dtype: str = "auto", **model: object
+) -> SimpleNamespace:
     """A tiny llama's vLLM config, as the fingerprint reads it (``model``: more model fields)."""
     return SimpleNamespace(
         model_config=SimpleNamespace(
@@ -149,7 +157,7 @@ def _vllm_config(speculative: object = None, **model: object) -> SimpleNamespace
             get_head_size=lambda: 64,
             **model,
         ),
-        cache_config=SimpleNamespace(cache_dtype="auto", block_size=32),
+        cache_config=SimpleNamespace(cache_dtype=cache_dtype, block_size=32),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         speculative_config=speculative,
     )
@@ -169,6 +177,7 @@ def test_the_fingerprint_names_each_groups_window() -> None:
 @pytest.mark.parametrize(
     ("field", "model", "speculative"),
     [
+        ("kv_cache_dtype", {"cache_dtype": "fp8"}, None),
         ("quantization", {"quantization": "fp8"}, None),
         ("overrides", {"hf_overrides": {"rope_theta": 20000.0}}, None),
         ("speculative", {}, SimpleNamespace(method="eagle", model="/d", num_speculative_tokens=3)),

@@ -45,10 +45,12 @@ from statemachine.ranks import (
 # each. Tensor and pipeline parallelism are served (each rank pushes its own
 # KV heads of its stage's layers to the decode rank holding them: rank to
 # rank with equal sizes, into head or layer slices when the prefill has a
-# multiple of the decode's ranks or stages); data- and context-parallel
-# ranks are not proven on real vLLM yet.
+# multiple of the decode's ranks or stages), and so is data parallelism (a
+# DP engine is an instance of its own to the daemon: a request's KV moves
+# from the prefill engine that computed it to the decode engine serving it,
+# whichever the router and vLLM's balancer picked); context-parallel ranks
+# split a block's tokens, which no pairing here maps.
 SINGLE_RANK_SETTINGS: Final = (
-    ("data_parallel_size", "--data-parallel-size"),
     ("decode_context_parallel_size", "--decode-context-parallel-size"),
     ("prefill_context_parallel_size", "--prefill-context-parallel-size"),
 )
@@ -84,8 +86,8 @@ def check_supported(vllm_config: Any, kv_cache_config: Any = None) -> None:
         if value != 1:
             raise UnsupportedLayout(
                 f"KvpushdConnector: {setting} = {value} ({flag} {value}) is not supported: "
-                f"this connector pairs tensor- and pipeline-parallel ranks only (DP and "
-                f"context parallel sizes of 1); start this instance with {flag} 1, or use "
+                f"this connector pairs tensor-, pipeline- and data-parallel ranks only "
+                f"(context parallel sizes of 1); start this instance with {flag} 1, or use "
                 f"another KV connector for it"
             )
     groups = getattr(kv_cache_config, "kv_cache_groups", None)

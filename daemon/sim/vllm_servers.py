@@ -104,9 +104,11 @@ class VllmServer:
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     max_model_len: int = 1024
     max_num_seqs: int = 16
-    # Tensor-parallel ranks and pipeline stages (worker processes), all on ``core``.
+    # Tensor-parallel ranks, pipeline stages and data-parallel engines
+    # (processes), all on ``core``.
     tp: int = 1
     pp: int = 1
+    dp: int = 1
     eager: bool = True
     seed: int = 0
     extra_args: Sequence[str] = ()
@@ -171,6 +173,8 @@ class VllmServer:
             cmd += ["--tensor-parallel-size", str(self.tp)]
         if self.pp > 1:
             cmd += ["--pipeline-parallel-size", str(self.pp)]
+        if self.dp > 1:
+            cmd += ["--data-parallel-size", str(self.dp)]
         return [*cmd, *self.extra_args]
 
     def environment(self) -> dict[str, str]:
@@ -183,8 +187,9 @@ class VllmServer:
             PYTHONUNBUFFERED="1",
         )
         if self.core is not None:
-            # One core list per rank (TP x PP), separated by "|": every rank on the one core.
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join([str(self.core)] * (self.tp * self.pp))
+            # One core list per rank (TP x PP x DP), separated by "|": every rank on the one core.
+            ranks = self.tp * self.pp * self.dp
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join([str(self.core)] * ranks)
         env.update(self.env)
         return env
 
@@ -305,14 +310,16 @@ class VllmServer:
         *,
         request_id: str | None = None,
         timeout_s: float = 120.0,
+        dp_rank: int | None = None,
         **fields: Any,
     ) -> Completion:
         """Greedy ``/v1/completions`` of a token-id prompt, running exactly ``max_tokens``.
 
         ``fields`` add to or override the request body (e.g.
-        ``kv_transfer_params``); ``request_id`` is sent as ``X-Request-Id``.
+        ``kv_transfer_params``); ``request_id`` is sent as ``X-Request-Id``,
+        ``dp_rank`` as ``X-data-parallel-rank`` (the DP engine to serve it).
         """
-        body, headers = _completion(prompt, max_tokens, request_id, fields)
+        body, headers = _completion(prompt, max_tokens, request_id, fields, dp_rank)
         started = time.monotonic()
         raw = self._post("/v1/completions", body, headers, timeout_s)
         elapsed = time.monotonic() - started
@@ -332,10 +339,13 @@ class VllmServer:
         *,
         request_id: str | None = None,
         timeout_s: float = 120.0,
+        dp_rank: int | None = None,
         **fields: Any,
     ) -> Streamed:
         """:meth:`complete`, streamed: also when the first token came (a TTFT)."""
-        body, headers = _completion(prompt, max_tokens, request_id, {**fields, "stream": True})
+        body, headers = _completion(
+            prompt, max_tokens, request_id, {**fields, "stream": True}, dp_rank
+        )
         started = time.monotonic()
         with self.client():  # the socket belongs to the namespace it was opened in
             conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
@@ -410,7 +420,11 @@ class VllmServer:
 
 
 def _completion(
-    prompt: Sequence[int], max_tokens: int, request_id: str | None, fields: dict[str, Any]
+    prompt: Sequence[int],
+    max_tokens: int,
+    request_id: str | None,
+    fields: dict[str, Any],
+    dp_rank: int | None = None,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The body and headers of a greedy token-id completion."""
     body: dict[str, Any] = {
@@ -425,6 +439,8 @@ def _completion(
     headers = {"Content-Type": "application/json"}
     if request_id is not None:
         headers["X-Request-Id"] = request_id
+    if dp_rank is not None:
+        headers["X-data-parallel-rank"] = str(dp_rank)
     return body, headers
 
 
@@ -525,7 +541,14 @@ def kvpushd_pd(
     decode_tp: int = 1,
     prefill_pp: int = 1,
     decode_pp: int = 1,
+    prefill_dp: int = 1,
+    decode_dp: int = 1,
+    prefill_block_size: int = 32,
+    decode_block_size: int = 32,
+    prefill_args: Sequence[str] = (),
+    decode_args: Sequence[str] = (),
     prefill_daemon_extra: str = "",
+    decode_daemon_extra: str = "",
     decode_kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
     decode_extra_config: dict[str, Any] | None = None,
     decode_server_env: dict[str, str] | None = None,
@@ -545,9 +568,13 @@ def kvpushd_pd(
     weights on the prefill side (default: ``model`` on both);
     ``prefill_tp`` and ``decode_tp`` are the servers' tensor-parallel sizes,
     ``prefill_pp`` and ``decode_pp`` their pipeline stages (a server with
-    stages runs compiled: vllm-cpu serves PP only so);
+    stages runs compiled: vllm-cpu serves PP only so), ``prefill_dp`` and
+    ``decode_dp`` their data-parallel engines, ``prefill_block_size`` and
+    ``decode_block_size`` their KV block sizes, ``prefill_args`` and
+    ``decode_args`` more of their command-line flags (``--kv-cache-dtype``);
     ``prefill_daemon_extra`` adds lines to the prefill daemon's config
-    (``[deadlines]``...); ``decode_kv_cache_bytes`` sizes the decode's KV
+    (``[deadlines]``...), ``decode_daemon_extra`` the decode daemon's;
+    ``decode_kv_cache_bytes`` sizes the decode's KV
     cache, ``decode_extra_config`` adds its connector settings,
     ``decode_server_env`` to the decode vLLM server's environment (the
     connector's ``KVPUSHD_FAILPOINTS``), ``prefill_server_env`` the prefill
@@ -579,26 +606,29 @@ def kvpushd_pd(
         env={**(UCX_TCP if hosts else {}), **(prefill_env or {})}, **where["prefill"],
     ).start()  # fmt: skip
     decode = Daemon(
-        "decode", workdir, free_port(),
+        "decode", workdir, free_port(), extra=decode_daemon_extra,
         env={**(UCX_TCP if hosts else {}), **(decode_env or {})}, **where["decode"],
     ).start()  # fmt: skip
     cores = sorted(os.sched_getaffinity(0))
     shm_before = vllm_shm_segments()
     p = VllmServer(
         "P", prefill_model or model, workdir, core=cores[0], eager=eager and prefill_pp == 1,
-        tp=prefill_tp, pp=prefill_pp, env=prefill_server_env or {}, **served["prefill"],
+        tp=prefill_tp, pp=prefill_pp, dp=prefill_dp, block_size=prefill_block_size,
+        env=prefill_server_env or {}, **served["prefill"],
         extra_args=[
             "--kv-transfer-config",
             kvpushd_connector_config("kv_producer", prefill, prefill_extra_config),
+            *prefill_args,
         ],
     )  # fmt: skip
     d = VllmServer(
         "D", model, workdir, core=cores[-1], eager=eager and decode_pp == 1,
-        tp=decode_tp, pp=decode_pp, kv_cache_bytes=decode_kv_cache_bytes,
-        env=decode_server_env or {}, **served["decode"],
+        tp=decode_tp, pp=decode_pp, dp=decode_dp, block_size=decode_block_size,
+        kv_cache_bytes=decode_kv_cache_bytes, env=decode_server_env or {}, **served["decode"],
         extra_args=[
             "--kv-transfer-config",
             kvpushd_connector_config("kv_consumer", decode, decode_extra_config, **decode_config),
+            *decode_args,
         ],
     )  # fmt: skip
     try:
@@ -610,7 +640,7 @@ def kvpushd_pd(
             for daemon in (prefill, decode)
             if daemon.proc is not None and daemon.proc.poll() is None
         }
-        if max(prefill_tp, decode_tp, prefill_pp, decode_pp) > 1:
+        if max(prefill_tp, decode_tp, prefill_pp, decode_pp, prefill_dp, decode_dp) > 1:
             remove_vllm_shm_segments(vllm_shm_segments() - shm_before)
         bad = {node: code for node, code in codes.items() if code != 0}
         if bad:

@@ -1,0 +1,145 @@
+"""A production layout through kvpushd: data-parallel engines, an fp8 KV cache, n-gram speculation.
+
+The pair is what DeepSeek-style serving runs, scaled down: each side is two
+data-parallel engines (``--data-parallel-size 2``: one API server, two
+engine cores, each an instance of its own to its daemon), the KV cache is
+fp8 (``--kv-cache-dtype fp8``, one byte per element: vLLM's uint8 storage),
+and both sides speculate with n-gram proposals. The router picks each leg's
+engine with vLLM's ``X-data-parallel-rank`` header, so every (prefill
+engine, decode engine) combination is driven, not left to the balancer.
+
+fp8's scales: vLLM's CPU fp8 cache stores the values with the layer's
+``k_scale``/``v_scale``, which come from the checkpoint (1.0 here), not from
+the cache; both sides load the same weights (the fingerprint names the
+model and the KV dtype), so the bytes mean the same on both, and the tokens
+below prove it. The n-gram proposer keeps no KV of its own, so it is not in
+the fingerprint: the KV is the target model's alone.
+
+The oracle is the prefill instance asked without transfer parameters (the
+same weights, the same KV dtype, the same speculative settings): a single
+instance. The first transfer of the module is a planted misplacement (the
+prefill daemon writes its first blocks in place of the trimmed tail,
+``integrity.shift_src``; integrity checks off so that it lands), and it must
+change the tokens: fp8 KV carries the context.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from collections.abc import Iterator
+
+import pytest
+
+from daemon.journal.replay import replay
+from daemon.sim.launcher import Daemon, wait_idle
+from daemon.sim.tinyllama import write_tinyllama
+from daemon.sim.vllm_servers import VllmServer, kvpushd_pd
+from schemas.events import WriteDone
+
+TOKENS = 12
+BLOCK = 32
+EXTERNAL = "vllm:prompt_tokens_by_source_total"
+# Tokens the n-gram proposer drafted (the random model seldom accepts them).
+DRAFTED = "vllm:spec_decode_num_draft_tokens_total"
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+         "prompt_lookup_min": 2}  # fmt: skip
+ARGS = ("--kv-cache-dtype", "fp8", "--speculative-config", json.dumps(NGRAM))
+# The planted misplacement must land to show that the tokens see it.
+NO_CHECKS = '[integrity]\nverify = "off"'
+
+PD = tuple[VllmServer, VllmServer, Daemon, Daemon]
+
+
+@pytest.fixture(scope="module")
+def production(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
+    model = write_tinyllama(tmp_path_factory.mktemp("production-llama"))
+    with kvpushd_pd(
+        model,
+        tmp_path_factory.mktemp("pd-production"),
+        prefill_dp=2,
+        decode_dp=2,
+        prefill_args=ARGS,
+        decode_args=ARGS,
+        prefill_env={"KVPUSHD_FAILPOINTS": "integrity.shift_src=corrupt@1"},
+        prefill_daemon_extra=NO_CHECKS,
+        decode_daemon_extra=NO_CHECKS,
+    ) as pair:
+        yield pair
+
+
+def _external(d: VllmServer, engine: int | None = None) -> float:
+    labels = {"source": "external_kv_transfer"}
+    if engine is not None:
+        labels["engine"] = str(engine)
+    return d.metrics().total(EXTERNAL, **labels)
+
+
+def _pd(
+    p: VllmServer, d: VllmServer, prompt: list[int], prefill_rank: int, decode_rank: int
+) -> tuple[list[int], dict[str, object]]:
+    """One request: its prefill leg on engine ``prefill_rank``, its decode leg on ``decode_rank``.
+
+    (The engines are DP ranks, picked with vLLM's ``X-data-parallel-rank`` header.)
+    """
+    leg = p.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True}, dp_rank=prefill_rank)
+    sent = dict(leg.raw["kv_transfer_params"])
+    answer = d.complete(prompt, TOKENS, kv_transfer_params=sent, dp_rank=decode_rank)
+    return answer.token_ids, sent
+
+
+def test_a_misplaced_fp8_write_changes_the_tokens(production: PD) -> None:
+    """The control (this module's first push): the oracle sees a wrong fp8 block."""
+    p, d, prefill, decode = production
+    rng = random.Random(3)
+    prompt = [rng.randrange(2, 512) for _ in range(200)]
+    # The decode engine holds the prompt's first 4 blocks already: the push
+    # is trimmed to its tail, which the failpoint replaces by its head.
+    d.complete([*prompt[: 4 * BLOCK], 7, 7, 7], 1, dp_rank=1)
+    single = p.complete(prompt, TOKENS).token_ids
+    got, sent = _pd(p, d, prompt, 0, 1)
+    assert got != single
+    wait_idle(prefill, decode, timeout=10)
+    assert any(
+        isinstance(e, WriteDone) for e in decode.journal_events(str(sent["kvpushd_transfer_id"]))
+    )
+
+
+def test_every_prefill_engine_feeds_every_decode_engine_token_exact(production: PD) -> None:
+    p, d, prefill, decode = production
+    rng = random.Random(11)
+    before = [_external(d, engine) for engine in (0, 1)]
+    lengths = (BLOCK - 1, BLOCK, BLOCK + 1, 100, 4 * BLOCK, 300)
+    for (a, b), length in itertools.product(itertools.product((0, 1), (0, 1)), lengths):
+        prompt = [rng.randrange(2, 512) for _ in range(length)]
+        single = p.complete(prompt, TOKENS).token_ids
+        got, sent = _pd(p, d, prompt, a, b)
+        assert got == single, (a, b, length, sent)
+    wait_idle(prefill, decode, timeout=10)
+    # Each decode engine loaded remote KV for its own requests.
+    after = [_external(d, engine) for engine in (0, 1)]
+    for engine in (0, 1):
+        loaded = after[engine] - before[engine]
+        assert loaded >= 2 * sum(n - 1 for n in lengths), (engine, before, after)
+    # Each side's two DP engines are two engines to its daemon, both with an fp8 KV.
+    for daemon in (prefill, decode):
+        engines = replay(daemon.journal).registry.engines.values()
+        assert len(engines) == 2, daemon.node
+        dtypes = {e.fingerprint.kv_cache_dtype for e in engines if e.fingerprint is not None}
+        assert dtypes == {"fp8"}, (daemon.node, dtypes)
+
+
+def test_ngram_speculation_on_the_decode_after_a_load_is_token_exact(production: PD) -> None:
+    """Prompts that repeat themselves, so that the decode drafts n-gram proposals."""
+    p, d, prefill, decode = production
+    rng = random.Random(12)
+    drafted = d.metrics().total(DRAFTED)
+    for length in (65, 160, 257):
+        motif = [rng.randrange(2, 512) for _ in range(24)]
+        prompt = (motif * (length // len(motif) + 1))[:length]
+        single = p.complete(prompt, TOKENS).token_ids
+        got, _ = _pd(p, d, prompt, length % 2, (length // 2) % 2)
+        assert got == single, length
+    assert d.metrics().total(DRAFTED) > drafted
+    wait_idle(prefill, decode, timeout=10)
