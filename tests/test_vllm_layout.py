@@ -194,6 +194,19 @@ def test_the_fingerprint_names_what_else_changes_the_kv(
     assert first_difference(plain, fingerprint(_vllm_config(ngram), "0")) is None
 
 
+def test_an_mla_model_holds_one_replicated_latent_whatever_its_config_says() -> None:
+    # DeepSeek's config says 128 KV heads; MLA caches one latent per token on every rank.
+    mla = _vllm_config(use_mla=True)
+    mla.model_config.get_total_num_kv_heads = lambda: 128
+    one = fingerprint(mla, "0")
+    assert one.num_kv_heads == 1 and one.kv_layout.endswith(":mla")
+    tp = {n: msgspec.structs.replace(one, tp_size=n) for n in (1, 2, 4)}
+    # Every TP pairing maps, each decode rank fed by exactly one prefill rank.
+    for p, d in [(2, 1), (1, 2), (4, 2), (2, 4), (4, 1)]:
+        assert rank_map_problem(tp[p], tp[d], split_tp=d if d > p else None) is None, (p, d)
+    assert {rank_fingerprint(tp[2], r).kv_head_range for r in (0, 1)} == {(0, 1)}
+
+
 # ------------------------------------------------------------- rank pairing
 
 INSTANCE = Fingerprint(

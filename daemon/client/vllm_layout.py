@@ -178,7 +178,7 @@ def fingerprint(
         kv_cache_dtype=str(cache.cache_dtype),
         block_size=int(cache.block_size),
         num_layers=int(model.get_total_num_hidden_layers()),
-        num_kv_heads=int(model.get_total_num_kv_heads()),
+        num_kv_heads=kv_heads(model),
         head_size=int(model.get_head_size()),
         kv_layout=layout,
         tp_size=int(getattr(parallel, "tensor_parallel_size", 1)),
@@ -189,6 +189,20 @@ def fingerprint(
         overrides=_overrides_digest(getattr(model, "hf_overrides", None)),
         speculative=_speculative(getattr(vllm_config, "speculative_config", None)),
     )
+
+
+def kv_heads(model: Any) -> int:
+    """The KV heads a block holds across all TP ranks, as the rank pairing splits them.
+
+    MLA caches one latent per token (DeepSeek's kv_lora_rank + rope dims),
+    the same on every TP rank: one head, replicated, whatever the model's
+    config says of its attention heads (128 for DeepSeek-V3). Taken from the
+    config, a TP 2 prefill's ranks claimed half the heads each of a block
+    that holds the whole latent, and no TP 2 -> 1 pairing could form.
+    """
+    if getattr(model, "use_mla", False):
+        return 1
+    return int(model.get_total_num_kv_heads())
 
 
 # Speculative methods that keep no KV of their own (they propose from the
