@@ -149,9 +149,9 @@ POINTS: Final[Mapping[str, Point]] = MappingProxyType(
         ),
         "connector.reverse_group": Point(
             "KvpushdConnector _WorkerSide._start_load (daemon/client/vllm.py): a decode load "
-            "of a model with several KV cache groups registers its first group's blocks in "
-            "reverse order (a planted misplacement of a sliding window's KV; one hit per "
-            "such load with two blocks or more in that group)",
+            "registers its first KV cache group's blocks in reverse order (a planted "
+            "misplacement: each block's hash then names another block; one hit per load "
+            "with two blocks or more in that group)",
             io=False,
             corrupts=True,
         ),

@@ -314,3 +314,11 @@ def test_a_prefill_splits_its_push_only_for_a_decode_pp_whose_stages_nest_in_its
         decode = msgspec.structs.replace(INSTANCE, pp_size=told, num_layers=layers)
         assert rank_map_problem(instance, decode, split_pp=split) is None
         assert rank_map_problem(instance, decode) is not None
+
+
+def test_instances_of_different_block_sizes_do_not_pair() -> None:
+    # The prefill's 32-token blocks are not runs of the decode's 64-token
+    # ones in vLLM's head-major CPU layout: refused at the pairing, never written.
+    small, large = _vllm_config(), _vllm_config()
+    large.cache_config.block_size = 64
+    assert first_difference(fingerprint(small, "0"), fingerprint(large, "0"))[0] == "block_size"

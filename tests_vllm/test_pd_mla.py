@@ -1,0 +1,104 @@
+"""An MLA model (a tiny DeepSeek-V2) through kvpushd, at TP 2 -> 1 and 1 -> 2.
+
+MLA caches one latent per token (512 + 64 floats), the same on every TP
+rank: one replicated "head" (daemon/client/vllm_layout.py ``kv_heads``), so
+each decode rank is fed by exactly one prefill rank. TP 2 -> 1: prefill
+rank 0 writes the decode's blocks, rank 1's replica is forgone (its push
+ends at once, nothing written). TP 1 -> 2 (the router names the decode's TP
+on the prefill leg): the one prefill rank writes each decode rank's blocks
+whole, one share per rank. Both instances are kv_both (either may prefill),
+each daemon checks every write end to end (``verify = "all"``), block size
+16 (vLLM's CPU MLA backend forces it).
+
+The oracle: a single instance computing the prompt (the prefill instance
+asked alone; vLLM's CPU build turns prefix caching off for MLA, so it never
+reads a cached prefix). Every server runs vLLM's pure-torch rotary
+embedding (``custom_ops: -rotary_embedding``): the CPU build's rotary op
+mis-indexes MLA's 3-D query and rope-key views, so as shipped the tokens
+depend on how the tokens of a forward pass are batched, and a P/D decode,
+which computes the last prompt token alone, differed from a single
+instance for a reason that is not the KV (34 of 36 prompts, through vLLM's
+own NixlConnector as well; docs/mla-on-vllm-cpu.md). The negative control: the
+TP 1 instance's first load registers its blocks in reverse
+(``connector.reverse_group``), and the tokens change.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+
+import pytest
+from split_pairs import TOKENS, Shape, Side, load_split_across_ranks, split_pair
+
+from daemon.sim.launcher import wait_idle
+from daemon.sim.tinydeepseek import write_tinydeepseek
+from daemon.sim.vllm_router import prefill_leg
+from schemas.events import Released
+
+# vLLM's own rope (forward_native) instead of the CPU op that breaks MLA.
+ROPE = ("--compilation-config", json.dumps({"custom_ops": ["all", "-rotary_embedding"]}))
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def mla_sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Side]]:
+    model = write_tinydeepseek(tmp_path_factory.mktemp("tiny-deepseek"))
+    shapes = [
+        Shape("two", tp=2, block_size=BLOCK, args=ROPE),
+        Shape(
+            "one",
+            block_size=BLOCK,
+            args=ROPE,
+            env={"KVPUSHD_FAILPOINTS": "connector.reverse_group=corrupt@1"},
+        ),
+    ]
+    with split_pair(model, tmp_path_factory.mktemp("pd-mla"), shapes) as sides:
+        yield sides
+
+
+def test_a_misplaced_latent_changes_the_tokens(mla_sides: list[Side]) -> None:
+    """The control (the TP 1 instance's first load): its blocks named in reverse."""
+    (p, prefill), (d, decode) = mla_sides
+    prompt = [(11 * i) % 509 + 2 for i in range(100)]
+    single = p.complete(prompt, TOKENS).token_ids
+    sent = prefill_leg(p, prompt)
+    assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids != single
+    wait_idle(prefill, decode, timeout=10)
+
+
+def test_tp2_to_tp1_one_prefill_rank_writes_each_latent(mla_sides: list[Side]) -> None:
+    two, one = mla_sides
+    rng = random.Random(21)
+    for length in (BLOCK - 1, BLOCK, BLOCK + 1, 100, 10 * BLOCK + 1, 300):
+        prompt = [rng.randrange(2, 512) for _ in range(length)]
+        engines = load_split_across_ranks(two, one, prompt, ("@tp0",))
+        assert len(engines.prefill) == 1 and len(engines.decode) == 1, engines
+    # The other prefill rank's replica is forgone at once: no byte written, released on both
+    # sides (its receiver of no block was refused by its own daemon before: it held the
+    # prefill's blocks to the push's deadline).
+    (p, prefill), (d, decode) = two, one
+    prompt = [rng.randrange(2, 512) for _ in range(64)]
+    sent = prefill_leg(p, prompt)
+    assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == (
+        p.complete(prompt, TOKENS).token_ids
+    )
+    wait_idle(prefill, decode, timeout=10)  # well before any deadline
+    for daemon in (prefill, decode):
+        replica = daemon.journal_events(f"{sent['kvpushd_transfer_id']}@tp1")
+        assert replica and isinstance(replica[-1], Released), (daemon.node, replica)
+        # Paired with a receiver of no block: a write of nothing.
+        assert [getattr(e, "nbytes", 0) for e in replica] == [0] * len(replica), replica
+
+
+def test_tp1_to_tp2_the_prefill_rank_writes_each_decode_rank_whole(
+    mla_sides: list[Side],
+) -> None:
+    two, one = mla_sides
+    rng = random.Random(22)
+    for length in (BLOCK + 1, 99, 257):
+        prompt = [rng.randrange(2, 512) for _ in range(length)]
+        engines = load_split_across_ranks(one, two, prompt, ("@tp0", "@tp1"), decode_tp=2)
+        # One prefill engine (no slice: the latent is whole on each rank), two decode ranks.
+        assert len(engines.prefill) == 1 and len(engines.decode) == 2, engines
