@@ -78,8 +78,8 @@ def test_the_server_command_carries_the_cpu_builds_settings(tmp_path: Path) -> N
     env = server.environment()
     assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert "--enforce-eager" not in VllmServer("p", tmp_path, tmp_path, eager=False).command()
-    with pytest.raises(ValueError, match="32"):
-        VllmServer("p", tmp_path, tmp_path, block_size=48)
+    with pytest.raises(ValueError, match="16"):
+        VllmServer("p", tmp_path, tmp_path, block_size=40)
 
 
 def test_metrics_parse_labels_and_sum_the_matching_samples() -> None:

@@ -24,7 +24,7 @@ What a :class:`VllmServer` does, following /work/shared/VLLM-CPU.md's traps:
 - ``--enforce-eager`` by default: start-up ~25 s instead of ~50 s (no
   torch.compile); every instance of a test runs the same mode, so greedy
   tokens stay comparable across instances. ``eager=False`` for benches.
-- ``block_size`` a multiple of 32 (CPU attention refuses others).
+- ``block_size`` a multiple of 16 (CPU attention takes 32k, its MLA backend 16).
 
 Files of a server named ``N`` in its work folder ``W``: ``W/N.log`` (its
 stdout and stderr, with every process's lines).
@@ -128,7 +128,9 @@ class VllmServer:
     def __post_init__(self) -> None:
         # vLLM's CPU attention needs a multiple of 32; its MLA backend forces 16.
         if self.block_size % 16:
-            raise ValueError(f"block_size {self.block_size}: vLLM's CPU attention needs 32k")
+            raise ValueError(
+                f"block_size {self.block_size}: vLLM's CPU attention needs a multiple of 16"
+            )
 
     @property
     def url(self) -> str:
