@@ -155,6 +155,14 @@ POINTS: Final[Mapping[str, Point]] = MappingProxyType(
             io=False,
             corrupts=True,
         ),
+        "connector.swap_states": Point(
+            "KvpushdConnector _WorkerSide._start_load (daemon/client/vllm.py): a decode load "
+            "of a model with recurrent state registers its first two state groups' blocks "
+            "the other way round (a planted misplacement no block hash can see: a state "
+            "names no token; one hit per load with two state blocks)",
+            io=False,
+            corrupts=True,
+        ),
         "connector.skip_stage_in": Point(
             "KvpushdConnector _WorkerSide._stage_in (daemon/client/vllm.py): with host "
             "staging, a decode step's landed loads are reported finished without the copy "

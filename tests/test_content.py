@@ -159,6 +159,21 @@ def test_a_prefill_pushes_only_the_prompts_blocks() -> None:
         prompt_blocks(([1], [2]), (0,), 1)
 
 
+def test_a_state_group_pushes_its_running_state_and_names_no_token() -> None:
+    """A Mamba group holds one state block per request: the last, whatever the prompt's length."""
+    count = prompt_block_count(99, 32)
+    groups = ([41], [42], [7, 8, 9, 10, 11])
+    named = prompt_blocks(groups, (0, 0, 0), count, (True, True, False))
+    assert named == ((0, (41,)), (0, (42,)), (0, (7, 8, 9, 10)))
+    # Null blocks before it (vLLM's other Mamba modes) are never the state.
+    assert prompt_blocks(([NULL_BLOCK, 43],), (0,), 1, (True,)) == ((0, (43,)),)
+    assert prompt_blocks(([],), (0,), 1, (True,)) == ((0, ()),)
+    hashes = [f"{i:016x}" for i in range(count)]
+    wire = content(named, hashes, (True, True, False))
+    assert wire == "bh1:-/-/0." + "".join(hashes)
+    assert decode("r", wire) == (None, None, GroupHashes(0, tuple(hashes)))
+
+
 class _Block:
     """The two fields of vLLM's KVCacheBlock the selection reads (vLLM is not in this venv)."""
 
@@ -176,3 +191,6 @@ def test_a_decode_names_the_prompt_blocks_its_own_cache_lacks() -> None:
     assert unhashed_prompt_blocks([window], 4) == ((2, (9, 10)),)
     with pytest.raises(NotOneRun):
         unhashed_prompt_blocks([[_Block(3), _Block(4, hashed=True), _Block(5)]], 3)
+    # A state group loads into its last block, whatever the prompt's block count.
+    state = [_Block(NULL_BLOCK), _Block(12)]
+    assert unhashed_prompt_blocks([state, group], 4, (True, False)) == ((0, (12,)), (2, (6, 7)))

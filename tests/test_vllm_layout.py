@@ -17,7 +17,9 @@ from daemon.client.vllm_layout import (
     UnsupportedLayout,
     check_supported,
     fingerprint,
+    group_states,
     group_windows,
+    prompt_backoff,
     rank_fingerprint,
     rank_map_problem,
     slice_fingerprint,
@@ -93,11 +95,6 @@ def test_sliding_window_beside_full_attention_is_accepted() -> None:
     [
         (
             _config(),
-            _groups(FullAttentionSpec(block_size=32), MambaSpec(block_size=32)),
-            "MambaSpec",
-        ),
-        (
-            _config(),
             _groups(
                 FullAttentionSpec(block_size=32), FullAttentionSpec(block_size=32), transfer=False
             ),
@@ -112,7 +109,7 @@ def test_sliding_window_beside_full_attention_is_accepted() -> None:
         ),
         (_config(pipeline_parallel_size=2), HYBRID, "pipeline_parallel_size = 2"),
     ],
-    ids=["mamba", "not-transferable", "block-sizes", "pipeline"],
+    ids=["not-transferable", "block-sizes", "pipeline"],
 )
 def test_groups_this_connector_cannot_move_are_refused_by_name(
     config: SimpleNamespace, groups: SimpleNamespace, says: str
@@ -121,6 +118,64 @@ def test_groups_this_connector_cannot_move_are_refused_by_name(
         check_supported(config, groups)
     assert says in str(refused.value)
     assert "--disable-hybrid-kv-cache-manager" in str(refused.value)
+
+
+def _mamba(mode: str = "none", speculative: int = 0, checkpoints: int = 1) -> MambaSpec:
+    # As vLLM's Mamba2 mixer declares it on the CPU build: one prefill
+    # checkpoint block, which only mode "align" allocates.
+    return MambaSpec(
+        block_size=1024,
+        shapes=((3, 320), (8, 32, 16)),
+        dtypes=("torch.float32", "torch.float32"),
+        mamba_type=SimpleNamespace(name="MAMBA2"),
+        mamba_cache_mode=mode,
+        num_speculative_blocks=speculative,
+        num_prefill_checkpoint_blocks=checkpoints,
+    )
+
+
+NEMOTRON = _groups(_mamba(), _mamba(), FullAttentionSpec(block_size=32))
+
+
+def test_mamba_state_beside_attention_is_accepted_in_mode_none() -> None:
+    # The Mamba group's block_size (1024: one state per request) differs from
+    # the attention's: a state is one block whatever its token count.
+    check_supported(_config(), NEMOTRON)
+    check_supported(_config(data_parallel_size=2), NEMOTRON)
+    assert group_states(NEMOTRON) == (True, True, False)
+    assert group_states(None) == group_states(HYBRID)[1:] == (False,)
+    assert prompt_backoff(group_states(NEMOTRON)) == 1
+    assert prompt_backoff(group_states(HYBRID)) == 0
+
+
+@pytest.mark.parametrize(
+    ("config", "groups", "says"),
+    [
+        (_config(), _groups(_mamba("align"), FullAttentionSpec(block_size=32)), "--no-enable-"),
+        (_config(), _groups(_mamba(speculative=2), FullAttentionSpec(block_size=32)), "2 spec"),
+        (_config(tensor_parallel_size=2), NEMOTRON, "tensor_parallel_size = 2"),
+        (_config(), _groups(_mamba("all")), "mamba_cache_mode 'all'"),
+    ],
+    ids=["align", "speculative-blocks", "tp", "mamba-only"],
+)
+def test_state_this_connector_cannot_move_is_refused_by_name(
+    config: SimpleNamespace, groups: SimpleNamespace, says: str
+) -> None:
+    with pytest.raises(UnsupportedLayout, match="Mamba/SSM state") as refused:
+        check_supported(config, groups)
+    assert says in str(refused.value)
+
+
+def test_the_fingerprint_names_each_state_groups_layout() -> None:
+    nemotron = fingerprint(_vllm_config(), "0", kv_cache_config=NEMOTRON)
+    state = "mamba2[3x320;8x32x16|float32;float32]"
+    assert nemotron.kv_layout.endswith(f":groups={state},{state},full")
+    # The conv state laid out the other way (VLLM_SSM_CONV_STATE_LAYOUT=DS) does not pair.
+    transposed = _groups(_mamba(), _mamba(), FullAttentionSpec(block_size=32))
+    for group in transposed.kv_cache_groups[:2]:
+        group.kv_cache_spec.shapes = ((320, 3), (8, 32, 16))
+    other = fingerprint(_vllm_config(), "0", kv_cache_config=transposed)
+    assert first_difference(nemotron, other)[0] == "kv_layout"
 
 
 def test_each_group_names_its_window() -> None:

@@ -132,7 +132,9 @@ from daemon.client.vllm_layout import (
     Blocks,
     check_supported,
     fingerprint,
+    group_states,
     group_windows,
+    prompt_backoff,
     prompt_digest,
     rank_count,
     rank_fingerprint,
@@ -213,6 +215,9 @@ PP_SPLIT = "kvpushd_split_pp"
 # The content of a pusher that pushes nothing, before why (statemachine/content.py
 # takes any content that is not block hashes as a name both sides must share).
 NOT_PUSHED = "not pushed: "
+# In a prefill's kv_transfer_params: its prompt was cut short of the last
+# token (a model with recurrent state, vllm_layout.STATE_BACKOFF), once.
+TRUNCATED = "kvpushd_truncated"
 # How a prefill request must have ended for its KV to be pushed: its prompt
 # was computed (it stopped, or hit its length). An abort pushes nothing.
 _COMPUTED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED})
@@ -357,8 +362,10 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
         self._fingerprint = fingerprint(
             vllm_config, vllm.__version__, str(extra.get("model_id") or ""), kv_cache_config
         )
-        # Each KV cache group's sliding window in tokens (0: full attention).
+        # Each KV cache group's sliding window in tokens (0: full attention),
+        # and which hold recurrent state (Mamba/SSM) instead of token positions.
         self._windows = group_windows(kv_cache_config)
+        self._states = group_states(kv_cache_config)
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if role is KVConnectorRole.SCHEDULER:
@@ -369,6 +376,7 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
                 self._fingerprint,
                 self._windows,
                 hold_every_s=float(extra.get("hold_every_s", HOLD_EVERY_S)),
+                states=self._states,
             )
         else:
             socket_path = extra.get("socket")
@@ -398,15 +406,28 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
                 group_layers=tuple(tuple(g.layer_names) for g in groups) if groups else None,
                 buffer=kv_buffer(extra.get("kv_buffer"), str(device or "cpu")),
                 num_blocks=getattr(kv_cache_config, "num_blocks", None),
+                states=self._states if groups else None,
             )
 
     # ------------------------------------------------------------- scheduler
+
+    def on_new_request(self, request: Request) -> None:
+        assert self._scheduler is not None
+        self._scheduler.new_request(request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        # A load moves the request's own blocks of every group the connector
+        # names (state groups included), not a prefix cache's hashed ones.
+        groups = getattr(self._kv_cache_config, "transfer_group_ids", None)
+        if groups is None:
+            return super().get_loaded_kv_cache_group_ids(request)
+        return tuple(groups)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -524,9 +545,13 @@ class _SchedulerSide:
         windows: tuple[int, ...] = (0,),
         *,
         hold_every_s: float = HOLD_EVERY_S,
+        states: tuple[bool, ...] = (),
     ) -> None:
         self._node = node
         self._windows = windows
+        self._states = states or (False,) * len(windows)
+        # Prompt tokens the decode computes itself (1 with recurrent state).
+        self._backoff = prompt_backoff(self._states)
         self._hold_every_s = hold_every_s
         # Transfer id -> when its push was last held (time.monotonic()), for
         # the requests queued for blocks (bounded).
@@ -547,6 +572,30 @@ class _SchedulerSide:
         # request with the same params (a retry, a hedge) computes its prompt.
         self._claims: dict[str, str] = {}
         self.stats = vs.KvpushdStats()
+
+    def new_request(self, request: Request) -> None:
+        """A prefill request of a model with recurrent state computes its prompt but the last token.
+
+        The decode applies that token to the state itself; a state that had
+        taken it on the prefill too would take it twice (the first token
+        differed on 8 of 8 prompts, docs/mamba-on-vllm-cpu.md). Cut once
+        (a preempted request comes back here with the mark), never to no
+        token, and not for a request that reads no prefix (prompt logprobs:
+        the decode computes its whole prompt). The prefill's own output is
+        then of the shorter prompt: routers answer from the decode.
+        """
+        params = request.kv_transfer_params
+        if not self._backoff or not params or not params.get("do_remote_decode"):
+            return
+        prompt = request.prompt_token_ids
+        skips = getattr(request, "get_skip_reading_prefix_cache", lambda: False)()
+        if params.get(TRUNCATED) or prompt is None or len(prompt) <= self._backoff or skips:
+            return
+        del prompt[-self._backoff :]
+        del request._all_token_ids[-self._backoff :]
+        request.num_prompt_tokens -= self._backoff
+        request.max_tokens = 1
+        params[TRUNCATED] = True
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
@@ -604,10 +653,13 @@ class _SchedulerSide:
         _remember(self._held, transfer_id, now)
         self._pending.hold.append(_receive_spec(request.request_id, params, ()))
 
-    @staticmethod
-    def _external_tokens(request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+    def _external_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        count = self._loaded_len(request) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _loaded_len(self, request: Request) -> int:
+        """The prompt tokens a decode loads: all, or all but those it computes (state)."""
+        return max(len(request.prompt_token_ids or ()) - self._backoff, 0)
 
     def _compute_here(self, request: Request, params: dict[str, Any], why: tuple[str, str]) -> None:
         kind, message = why
@@ -625,6 +677,12 @@ class _SchedulerSide:
             return vs.WINDOW, (
                 f"the prefill no longer holds the first token of the last prompt token's "
                 f"{gap}-token sliding window (it starts a block vLLM freed)"
+            )
+        if request.prompt_token_ids is not None and self._loaded_len(request) == 0:
+            return vs.PROMPT, (
+                f"a prompt of {len(request.prompt_token_ids)} token(s) on a model with "
+                f"recurrent state: the decode computes its last token itself, and no state "
+                f"of the tokens before it exists"
             )
         if params.get(CONCURRENT):
             # Both legs at once: the prefill has not answered, so there is no
@@ -656,12 +714,14 @@ class _SchedulerSide:
         prompt = request.prompt_token_ids
         if prompt is None:
             return vs.PROMPT, "the request has no prompt token ids to compare with the prefill's"
-        if params.get("kvpushd_prompt_len") != len(prompt):
+        # With recurrent state the prefill computed all but the last token.
+        loaded = self._loaded_len(request)
+        if params.get("kvpushd_prompt_len") != loaded:
             return vs.PROMPT, (
                 f"the prefill computed a prompt of {params.get('kvpushd_prompt_len')!r} tokens, "
-                f"this request's has {len(prompt)}"
+                f"this request loads {loaded} of its {len(prompt)}"
             )
-        if params.get("kvpushd_prompt_digest") != prompt_digest(prompt):
+        if params.get("kvpushd_prompt_digest") != prompt_digest(prompt[:loaded]):
             return vs.PROMPT, "the prefill computed another prompt of the same length"
         return None
 
@@ -673,10 +733,12 @@ class _SchedulerSide:
             return
         # Only once: the second call (after the load) must not register again.
         params["do_remote_prefill"] = False
-        count = prompt_block_count(len(request.prompt_token_ids or ()), self._block_size)
+        loaded = self._loaded_len(request)
+        count = prompt_block_count(loaded, self._block_size)
         try:
-            named = unhashed_prompt_blocks(blocks.blocks, count)
-            content = block_content(named, block_hashes(request, self._block_size, count))
+            named = unhashed_prompt_blocks(blocks.blocks, count, self._states)
+            hashes = block_hashes(request, self._block_size, count, loaded)
+            content = block_content(named, hashes, self._states)
         except NotOneRun as exc:
             # Never reached with vLLM's allocator (hits and nulls are a
             # prefix); if it were, the daemon refuses the pairing, the load
@@ -723,6 +785,14 @@ class _SchedulerSide:
         if request.prompt_token_ids is None:
             self._not_pushing(request, params, "the prompt has no token ids (prompt embeddings)")
             return False, None
+        if self._backoff and not params.get(TRUNCATED):
+            # Its state took the whole prompt: a decode would apply the last
+            # token twice. It computes the prompt instead.
+            log.warning("kvpushd: %s: whole prompt computed: not pushed", request.request_id)
+            self._not_pushing(
+                request, params, "the prefill computed the whole prompt into its recurrent state"
+            )
+            return False, None
         # A router dispatching both legs at once names the transfer itself.
         transfer_id = _router_transfer_id(params) or request.request_id
         owner = self._push_owners.get(transfer_id)
@@ -743,7 +813,7 @@ class _SchedulerSide:
         # named with its content hash (daemon/client/vllm_hashes.py).
         count = prompt_block_count(len(request.prompt_token_ids), self._block_size)
         try:
-            named = prompt_blocks(block_ids, self._windows, count)
+            named = prompt_blocks(block_ids, self._windows, count, self._states)
         except NotOneRun as exc:
             log.error("kvpushd: %s: %s: not pushed", request.request_id, exc)
             self._not_pushing(request, params, str(exc))
@@ -753,7 +823,7 @@ class _SchedulerSide:
             # so the tail trim pairs every decode block with the block before
             # its own; the block hashes must refuse it before any write.
             named = tuple((first, ids[:-1]) for first, ids in named)
-        content = block_content(named, block_hashes(request, self._block_size, count))
+        content = block_content(named, block_hashes(request, self._block_size, count), self._states)
         # A decode with more TP ranks or stages, named by the router: each
         # rank pushes one share per decode rank (and stage) it feeds
         # (statemachine/ranks.py).
@@ -992,8 +1062,11 @@ class _WorkerSide:
         group_layers: tuple[tuple[str, ...], ...] | None = None,
         buffer: str = SHARED,
         num_blocks: int | None = None,
+        states: tuple[bool, ...] | None = None,
     ) -> None:
         self._socket = socket_path
+        # Which groups hold recurrent state (None: one group, attention).
+        self._states = states
         # vLLM's block count (None: not told), to find each tensor's block dimension.
         self._num_blocks = num_blocks
         # Where the daemon reads and writes: vLLM's cache itself (shared), or
@@ -1099,6 +1172,11 @@ class _WorkerSide:
                 "KvpushdConnector: vLLM did not allocate its KV cache through "
                 "get_mem_pool_context(); the daemon cannot map it"
             )
+        if self._states is not None and any(self._states) and self.buffer != SHARED:
+            raise RuntimeError(
+                "KvpushdConnector: this model keeps Mamba/SSM state, which kv_buffer = "
+                f"{self.buffer!r} does not carry: use kv_buffer = 'shared' (host-memory KV)"
+            )
         self._layer_ids = _layer_indices(kv_caches)
         if self._group_layers is not None and len(self._group_layers) > 1:
             # Several groups (pipeline stages of 1, check_supported): no
@@ -1135,7 +1213,7 @@ class _WorkerSide:
                 raise RuntimeError(str(exc)) from exc
             # The daemon sees the mirror: same shapes, same offsets, its own file.
             kv_caches, buffer = self._staging.mirror, self._staging.buffer
-        self._layout = _layout(kv_caches, group_layers, buffer, self._path)
+        self._layout = _layout(kv_caches, group_layers, buffer, self._path, self._states)
         held = self._fingerprint.kv_head_range[1] - self._fingerprint.kv_head_range[0]
         self._head_major = all(t.dim() == 4 and t.shape[1] == held for t in kv_caches.values())
         groups, _ = self._layout
@@ -1413,6 +1491,7 @@ class _WorkerSide:
             # The negative control: the first group's KV lands misplaced (its
             # blocks named in reverse: each hash then names another's block).
             receive = dataclasses.replace(receive, block_ids=(first[::-1], *receive.block_ids[1:]))
+        receive = self._maybe_swap_states(receive)
         # The negative control's planted mis-mapping: each prefill rank's
         # receiver on the next rank's head slice (the daemon must refuse it).
         sliced = any(source.heads.slices > 1 for source in sources)
@@ -1442,6 +1521,20 @@ class _WorkerSide:
             self._receiving[share.transfer_id] = load
             self._spawn(self._receive(share, generation))
         self._forgo_unread(receive, generation)
+
+    def _maybe_swap_states(self, receive: ReceiveSpec) -> ReceiveSpec:
+        """The negative control for recurrent state: two layers' states land in each other's blocks.
+
+        State blocks carry no token hash, so nothing but the tokens can tell.
+        """
+        blocks = list(receive.block_ids)
+        held = [g for g, state in enumerate(self._states or ()) if state and g < len(blocks)]
+        held = [g for g in held if blocks[g]]
+        if len(held) < 2 or not failpoints.corrupts("connector.swap_states"):
+            return receive
+        a, b = held[:2]
+        blocks[a], blocks[b] = blocks[b], blocks[a]
+        return dataclasses.replace(receive, block_ids=tuple(blocks))
 
     def _load_nothing(self, receive: ReceiveSpec) -> None:
         """End a load that registered nothing: it failed (vLLM recomputes or fails it)."""
@@ -2004,35 +2097,44 @@ def _layout(
     group_layers: tuple[tuple[str, ...], ...],
     buffer: torch.Tensor,
     path: Path,
+    states: tuple[bool, ...] | None = None,
 ) -> tuple[tuple[GroupSpec, ...], RegionSpec]:
-    """One attention group per KV cache group, its layers vLLM's views of the shared buffer.
+    """One group per KV cache group, its layers vLLM's views of the shared buffer.
 
     kvpushd's model: block ``b`` of layer ``l`` is ``block_bytes`` at
     ``offset(l) + b * block_bytes``; vLLM's CPU cache is exactly that (each
     layer's blocks back to back). Anything else is refused, not guessed.
     vLLM's hybrid allocator lays its groups over the same tensors; the
-    daemon sees that from the offsets (statemachine/overlay.py).
+    daemon sees that from the offsets (statemachine/overlay.py). A state
+    group (``states``: Mamba/SSM) is an SSM group of whole pages.
     """
     size = buffer.untyped_storage().nbytes()
     order = list(kv_caches)
     groups = []
-    for names in group_layers:
+    for g, names in enumerate(group_layers):
         # In the order the worker sorted the layers (model order).
         members = {name: kv_caches[name] for name in sorted(names, key=order.index)}
-        groups.append(_group(members, buffer.data_ptr(), size))
+        state = bool(states and states[g])
+        groups.append(_group(members, buffer.data_ptr(), size, state))
     return tuple(groups), RegionSpec("kv", size, path=str(path))
 
 
-def _group(kv_caches: dict[str, torch.Tensor], base: int, size: int) -> GroupSpec:
-    """One group of layers: their blocks must agree in count and size."""
+def _group(
+    kv_caches: dict[str, torch.Tensor], base: int, size: int, state: bool = False
+) -> GroupSpec:
+    """One group of layers: their blocks must agree in count and size.
+
+    A state group's block is the whole page vLLM gives it: the state
+    (conv, then SSM) is its first bytes and the rest pads it to the
+    attention page it overlays. Moving the page whole keeps it "alike"
+    that group (statemachine/overlay.py), at the price of the padding.
+    """
     layers: list[LayerSpec] = []
     shape: tuple[int, int] | None = None
     for name, tensor in kv_caches.items():
         block_bytes = tensor.stride(0) * tensor.element_size()
-        if (
-            block_bytes != tensor[0].numel() * tensor.element_size()
-            or not tensor[0].is_contiguous()
-        ):
+        held = tensor[0].numel() * tensor.element_size()
+        if (held > block_bytes if state else held != block_bytes) or not tensor[0].is_contiguous():
             raise ValueError(f"KvpushdConnector: layer {name}'s blocks are not contiguous")
         offset = tensor.data_ptr() - base
         if not 0 <= offset <= size - tensor.shape[0] * block_bytes:
@@ -2043,4 +2145,5 @@ def _group(kv_caches: dict[str, torch.Tensor], base: int, size: int) -> GroupSpe
         layers.append(LayerSpec("kv", offset))
     if shape is None:
         raise ValueError("KvpushdConnector: vLLM registered no KV cache")
-    return GroupSpec(GroupKind.ATTENTION, shape[0], shape[1], tuple(layers))
+    kind = GroupKind.SSM if state else GroupKind.ATTENTION
+    return GroupSpec(kind, shape[0], shape[1], tuple(layers))

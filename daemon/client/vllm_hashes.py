@@ -47,35 +47,49 @@ def prompt_block_count(prompt_len: int, block_size: int) -> int:
 
 
 def prompt_blocks(
-    block_ids: Sequence[Sequence[int]], windows: Sequence[int], count: int
+    block_ids: Sequence[Sequence[int]],
+    windows: Sequence[int],
+    count: int,
+    states: Sequence[bool] = (),
 ) -> tuple[Named, ...]:
     """A finished prefill's blocks to push: per group, those covering the prompt.
 
     ``block_ids``: vLLM's per-group lists, position 0 first (what
     ``request_finished`` gets); ``count``: the prompt's blocks. Blocks past
     the prompt (tokens generated after it) are never pushed; a sliding-window
-    group's null blocks (out of its window) hold nothing to push.
+    group's null blocks (out of its window) hold nothing to push. A state
+    group (``states``, Mamba/SSM) pushes its running state: its last block.
     """
     if len(block_ids) != len(windows):
         raise ValueError(f"{len(block_ids)} block lists for {len(windows)} KV cache groups")
+    states = tuple(states) or (False,) * len(windows)
     return tuple(
-        _one_run(
+        _state_block(ids)
+        if state
+        else _one_run(
             [(pos, b) for pos, b in enumerate(ids[:count]) if not (window and b == NULL_BLOCK)],
             index,
         )
-        for index, (ids, window) in enumerate(zip(block_ids, windows, strict=True))
+        for index, (ids, window, state) in enumerate(zip(block_ids, windows, states, strict=True))
     )
 
 
-def unhashed_prompt_blocks(groups: Sequence[Sequence[Any]], count: int) -> tuple[Named, ...]:
+def unhashed_prompt_blocks(
+    groups: Sequence[Sequence[Any]], count: int, states: Sequence[bool] = ()
+) -> tuple[Named, ...]:
     """A decode's blocks to load: per group, the prompt's blocks its own cache lacks.
 
     ``groups``: vLLM's ``KVCacheBlocks.blocks`` (per group, position 0 first);
     a block with a prefix-cache hash is a local hit, a null block is outside
     a sliding window, and a block at or past ``count`` is no prompt block.
+    A state group (``states``) loads into its last block, the one vLLM's
+    kernels read the running state from.
     """
+    states = tuple(states) or (False,) * len(groups)
     return tuple(
-        _one_run(
+        _state_block([b.block_id for b in group])
+        if state
+        else _one_run(
             [
                 (pos, block.block_id)
                 for pos, block in enumerate(group[:count])
@@ -83,8 +97,18 @@ def unhashed_prompt_blocks(groups: Sequence[Sequence[Any]], count: int) -> tuple
             ],
             index,
         )
-        for index, group in enumerate(groups)
+        for index, (group, state) in enumerate(zip(groups, states, strict=True))
     )
+
+
+def _state_block(ids: Sequence[int]) -> Named:
+    """A state group's one block to move: its last non-null one (vLLM's running state).
+
+    In mamba_cache_mode "none" (the one vllm_layout.check_supported lets
+    through) a request holds exactly one; its position names no token.
+    """
+    held = [b for b in ids if b != NULL_BLOCK]
+    return (0, (held[-1],)) if held else (0, ())
 
 
 def _one_run(positioned: list[tuple[int, int]], group: int) -> Named:
@@ -104,24 +128,37 @@ def ids_of(named: Sequence[Named]) -> Blocks:
     return tuple(ids for _, ids in named)
 
 
-def content(named: Sequence[Named], hashes: Sequence[str]) -> str:
-    """The registration's content: each named block's hash (``hashes``: one per prompt block)."""
+def content(named: Sequence[Named], hashes: Sequence[str], states: Sequence[bool] = ()) -> str:
+    """The registration's content: each named block's hash (``hashes``: one per prompt block).
+
+    A state group's block holds no token positions: it is named unhashed
+    (``-``) and paired by the SSM rule alone; the prompt it is the state of
+    is proven by the attention groups' hashes and the prompt's digest.
+    """
+    states = tuple(states) or (False,) * len(named)
     return encode(
-        tuple(GroupHashes(first, tuple(hashes[first : first + len(ids)])) for first, ids in named)
+        tuple(
+            None if state else GroupHashes(first, tuple(hashes[first : first + len(ids)]))
+            for (first, ids), state in zip(named, states, strict=True)
+        )
     )
 
 
-def block_hashes(request: Any, block_size: int, count: int) -> list[str]:
+def block_hashes(request: Any, block_size: int, count: int, length: int | None = None) -> list[str]:
     """The content hash of each of a vLLM request's first ``count`` prompt blocks (hex).
 
     vLLM's own chained block hash (SHA-256 over CBOR, as its ``sha256_cbor``
     prefix-caching option), seeded with :data:`CHAIN_SEED`; kept to
     HASH_HEX hex digits on the wire, the chain runs on the whole hash.
+    ``length``: hash the prompt's first ``length`` tokens only (a decode
+    that computes the last prompt token itself names the blocks of the rest).
     """
     from vllm.utils.hashing import sha256_cbor
     from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
 
     tokens = request.prompt_token_ids or ()
+    if length is not None:
+        tokens = tokens[:length]
     parent = sha256_cbor(CHAIN_SEED)
     mm_index = 0
     hashes = []

@@ -62,7 +62,18 @@ MAX_RANKS: Final = 256
 # classes, by name: this module never imports vLLM).
 FULL_ATTENTION: Final = "FullAttentionSpec"
 SLIDING_WINDOW: Final = "SlidingWindowSpec"
-HYBRID_KINDS: Final = frozenset({FULL_ATTENTION, SLIDING_WINDOW})
+MAMBA: Final = "MambaSpec"
+HYBRID_KINDS: Final = frozenset({FULL_ATTENTION, SLIDING_WINDOW, MAMBA})
+# vLLM's Mamba cache mode the connector moves state in: one state block per
+# request that holds the state after every computed token (prefix caching
+# off). "align" and "all" keep checkpoints at block boundaries, which no
+# pairing here names.
+MAMBA_CACHE_MODE: Final = "none"
+# Prompt tokens a decode computes itself on a model with recurrent state: the
+# last. The prefill computes the prompt without it and hands over the state
+# after the rest; the decode applies the last token once (applied on both
+# sides, the state would take it twice: docs/mamba-on-vllm-cpu.md).
+STATE_BACKOFF: Final = 1
 # The block id vLLM's block pool keeps for "no block" (its null block, id 0,
 # never handed to a request): a sliding-window group's out-of-window blocks.
 NULL_BLOCK: Final = 0
@@ -93,28 +104,83 @@ def check_supported(vllm_config: Any, kv_cache_config: Any = None) -> None:
     groups = getattr(kv_cache_config, "kv_cache_groups", None)
     if groups is not None and len(groups) > 1:
         _check_hybrid(groups, getattr(parallel, "pipeline_parallel_size", 1))
+    if groups is not None and any(_is_state(group) for group in groups):
+        _check_state(groups, getattr(parallel, "tensor_parallel_size", 1))
+
+
+def _is_state(group: Any) -> bool:
+    return type(getattr(group, "kv_cache_spec", None)).__name__ == MAMBA
 
 
 def _check_hybrid(groups: Sequence[Any], pp_size: int) -> None:
-    """Several KV cache groups (vLLM's hybrid allocator): moved when each is attention."""
+    """Several KV cache groups (vLLM's hybrid allocator): moved when each is one we move."""
     start = f"KvpushdConnector: this model's KV cache has {len(groups)} KV cache groups"
     fallback = "start vLLM with --disable-hybrid-kv-cache-manager, or use another KV connector"
     for g, group in enumerate(groups):
         kind = type(group.kv_cache_spec).__name__
         if kind not in HYBRID_KINDS:
             raise UnsupportedLayout(
-                f"{start}; group {g} is {kind}, and this connector moves full-attention and "
-                f"sliding-window groups only: {fallback}"
+                f"{start}; group {g} is {kind}, and this connector moves full-attention, "
+                f"sliding-window and Mamba groups only: {fallback}"
             )
         if not getattr(group, "enable_kv_transfer", True):
             raise UnsupportedLayout(f"{start}; group {g} is not transferable: {fallback}")
-    if len({group.kv_cache_spec.block_size for group in groups}) > 1:
+    # A Mamba group's "block" is one state whatever its token count: only
+    # the attention groups' block sizes must agree (vLLM pads the state's
+    # page to the attention page instead).
+    attention = [group for group in groups if not _is_state(group)]
+    if len({group.kv_cache_spec.block_size for group in attention}) > 1:
         raise UnsupportedLayout(f"{start} with different block sizes: {fallback}")
     if pp_size != 1:
         raise UnsupportedLayout(
             f"{start} and pipeline_parallel_size = {pp_size} (--pipeline-parallel-size): "
             f"several groups are moved with pipeline stages of 1 only; {fallback}"
         )
+
+
+def _check_state(groups: Sequence[Any], tp_size: int) -> None:
+    """Mamba/SSM state groups: moved in mode "none", whole, between TP 1 instances."""
+    start = "KvpushdConnector: this model keeps Mamba/SSM state"
+    for g, group in enumerate(groups):
+        if not _is_state(group):
+            continue
+        spec = group.kv_cache_spec
+        mode = getattr(spec, "mamba_cache_mode", MAMBA_CACHE_MODE)
+        if mode != MAMBA_CACHE_MODE:
+            raise UnsupportedLayout(
+                f"{start} in mamba_cache_mode {mode!r} (group {g}): the connector moves the "
+                f"one running state of mode 'none' only; start vLLM with "
+                f"--no-enable-prefix-caching (--mamba-cache-mode none)"
+            )
+        # (Prefill checkpoint blocks are allocated in mode "align" only.)
+        extra = getattr(spec, "num_speculative_blocks", 0)
+        if extra:
+            raise UnsupportedLayout(
+                f"{start} with {extra} speculative state blocks per request "
+                f"(group {g}): the connector moves one state block per request; start vLLM "
+                f"without speculative decoding for this model, or use another KV connector"
+            )
+    if tp_size != 1:
+        raise UnsupportedLayout(
+            f"{start} and tensor_parallel_size = {tp_size}: the state is split by head "
+            f"and by conv projection across ranks, which no pairing here maps; start this "
+            f"instance with --tensor-parallel-size 1 (data parallel is served), or use "
+            f"another KV connector"
+        )
+
+
+def group_states(kv_cache_config: Any) -> tuple[bool, ...]:
+    """Which KV cache groups hold recurrent state (Mamba/SSM), in group order.
+
+    (False,) when vLLM names no groups: one full-attention group.
+    """
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    return tuple(_is_state(group) for group in groups) or (False,)
+
+
+def prompt_backoff(states: Sequence[bool]) -> int:
+    """The prompt tokens a decode computes itself (:data:`STATE_BACKOFF` with state, else 0)."""
+    return STATE_BACKOFF if any(states) else 0
 
 
 def group_windows(kv_cache_config: Any) -> tuple[int, ...]:
@@ -168,9 +234,13 @@ def fingerprint(
     layout = f"{device}:{getattr(backend, 'name', backend) or 'auto'}"
     if getattr(model, "use_mla", False):
         layout += ":mla"
-    windows = group_windows(kv_cache_config)
-    if len(windows) > 1 or any(windows):
-        layout += ":groups=" + ",".join(f"swa{w}" if w else "full" for w in windows)
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    names = [
+        _state_name(group.kv_cache_spec) if _is_state(group) else f"swa{w}" if w else "full"
+        for group, w in zip(groups, group_windows(kv_cache_config), strict=False)
+    ]
+    if names != [] and names != ["full"]:
+        layout += ":groups=" + ",".join(names)
     return Fingerprint(
         model=model_id or str(model.model),
         revision=str(model.revision or ""),
@@ -189,6 +259,19 @@ def fingerprint(
         overrides=_overrides_digest(getattr(model, "hf_overrides", None)),
         speculative=_speculative(getattr(vllm_config, "speculative_config", None)),
     )
+
+
+def _state_name(spec: Any) -> str:
+    """A Mamba group's state as both sides must lay it out: its kind, shapes and dtypes.
+
+    The shapes carry the conv state's layout (``[kernel-1, dim]`` or its
+    transpose, VLLM_SSM_CONV_STATE_LAYOUT): two instances that differ in it
+    hold the same state in other bytes.
+    """
+    kind = getattr(getattr(spec, "mamba_type", None), "name", None) or "mamba"
+    shapes = ";".join("x".join(str(n) for n in shape) for shape in spec.shapes)
+    dtypes = ";".join(str(d).removeprefix("torch.") for d in spec.dtypes)
+    return f"{kind.lower()}[{shapes}|{dtypes}]"
 
 
 def kv_heads(model: Any) -> int:
