@@ -110,3 +110,17 @@ def test_both_legs_at_once_and_a_one_token_prompt(mamba_pair: list[Side]) -> Non
         # A 1-token prompt has no state before its last token: the decode computes it.
         assert loaded == max(length - 1, 0), (length, loaded)
         wait_idle(prefill, decode, timeout=10)
+    # A router that sends the decode another prompt (the same first half): the
+    # daemon refuses the pairing (the block hashes differ), the load fails, and
+    # vLLM computes the decode's prompt from its first token, state included.
+    prompt = [rng.randrange(2, 512) for _ in range(120)]
+    other = prompt[:60] + [rng.randrange(2, 512) for _ in range(60)]
+    address = f"127.0.0.1:{prefill.port}"
+    routed = route_concurrent(
+        p, d, prompt, TOKENS, prefill_node=prefill.node, prefill_address=address,
+        decode_prompt=other,
+    )  # fmt: skip
+    assert routed.token_ids == p.complete(other, TOKENS).token_ids
+    wait_idle(prefill, decode, timeout=10)
+    kinds = [type(e) for e in decode.journal_events(str(routed.params["transfer_id"]))]
+    assert kinds and WriteDone not in kinds and kinds[-1] is Released, kinds

@@ -59,8 +59,14 @@ thread, and events come back through a queue drained once per step.
   load ends only when every one has landed (any failure fails the load
   once all are released). A decode with more ranks than the prefill
   computes the prompt. Pipeline stages pair the same way by their layers
-  (``T@pp<s>`` shares, layer-slice engines). DP and context parallel are
-  refused when vLLM builds the connector (``check_supported``).
+  (``T@pp<s>`` shares, layer-slice engines). Each DP engine is an engine of
+  its own; context parallel is refused when vLLM builds the connector
+  (``check_supported``).
+- Recurrent state (Mamba/SSM groups, TP 1, prefix caching off): the prefill
+  computes the prompt but its last token (``new_request``) and pushes each
+  Mamba layer's one state block beside the attention blocks; the decode
+  loads N-1 tokens and applies the last one itself, so the state takes it
+  once (docs/mamba-on-vllm-cpu.md).
 - No daemon yet: vLLM starts anyway and serves without remote KV (its
   pushes and loads end at once) until the daemon is up, then registers.
 - Memory: ``get_mem_pool_context`` makes vLLM's one KV buffer a /dev/shm file

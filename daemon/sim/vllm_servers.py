@@ -674,10 +674,14 @@ def nixl_pd(
     eager: bool = True,
     prefill_tp: int = 1,
     decode_tp: int = 1,
+    block_size: int = 32,
+    args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> Iterator[tuple[VllmServer, VllmServer]]:
     """vLLM's own P/D anchor: one of its NIXL connectors on both servers, one core each.
 
     Yields (prefill server, decode server); no daemon is involved.
+    ``block_size``, ``args`` (more flags) and ``env`` apply to both servers.
     """
     cores = sorted(os.sched_getaffinity(0))
     shm_before = vllm_shm_segments()
@@ -685,8 +689,9 @@ def nixl_pd(
     servers = [
         VllmServer(
             f"{tag}-{name}", model, workdir / tag, core=core, eager=eager, tp=tp,
-            extra_args=["--kv-transfer-config", nixl_connector_config(connector)],
-            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+            block_size=block_size,
+            extra_args=["--kv-transfer-config", nixl_connector_config(connector), *args],
+            env={**(env or {}), "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
         )
         for name, core, tp in (("P", cores[0], prefill_tp), ("D", cores[-1], decode_tp))
     ]  # fmt: skip
