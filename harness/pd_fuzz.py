@@ -84,6 +84,13 @@ class Shape:
     staging: bool = False  # both connectors copy through a host mirror
     hybrid: bool = False  # the tiny model with a sliding-window layer
     small_pool: bool = False  # the decode's KV pool holds a few prompts only
+    mamba: bool = False  # a tiny Nemotron-H: Mamba state beside attention
+
+    @property
+    def server_args(self) -> tuple[str, ...]:
+        """Flags every server of the shape runs with (the oracle's too)."""
+        # Recurrent state moves in vLLM's Mamba cache mode "none" only.
+        return ("--no-enable-prefix-caching",) if self.mamba else ()
 
 
 SHAPES: dict[str, Shape] = {
@@ -94,6 +101,7 @@ SHAPES: dict[str, Shape] = {
         Shape("staging", staging=True),
         Shape("hybrid", hybrid=True),
         Shape("tp2-1", prefill_tp=2),
+        Shape("mamba", mamba=True),
     )
 }
 
@@ -123,6 +131,7 @@ class Pair:
             extra_args=[
                 "--kv-transfer-config",
                 kvpushd_connector_config("kv_producer", self.prefill, buffer),
+                *self.shape.server_args,
             ],
         )  # fmt: skip
         self.d = VllmServer(
@@ -133,6 +142,7 @@ class Pair:
                 kvpushd_connector_config(
                     "kv_consumer", self.decode, buffer, kv_load_failure_policy="recompute"
                 ),
+                *self.shape.server_args,
             ],
         )  # fmt: skip
         try:

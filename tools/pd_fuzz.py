@@ -29,9 +29,14 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from daemon.sim.tinyllama import TinyLlama, write_tinyllama
+from daemon.sim.tinynemotron import write_tinynemotron
 from daemon.sim.vllm_servers import VllmServer, start_servers, stop_servers
 from harness.pd_cases import Model, draw_run, find_case
 from harness.pd_fuzz import SHAPES, fuzz
+
+
+def _vocab(model: Path) -> int:
+    return int(json.loads((model / "config.json").read_text())["vocab_size"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,15 +57,21 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         tiny = TinyLlama(sliding_layers=(0,), sliding_window=48) if shape.hybrid else TinyLlama()
-        model = write_tinyllama(workdir / f"model-{name}", tiny)
+        if shape.mamba:
+            model = write_tinynemotron(workdir / f"model-{name}")
+        else:
+            model = write_tinyllama(workdir / f"model-{name}", tiny)
         cores = sorted(os.sched_getaffinity(0))
-        oracle = VllmServer("oracle", model, workdir / f"oracle-{name}", core=cores[0])
+        oracle = VllmServer(
+            "oracle", model, workdir / f"oracle-{name}", core=cores[0],
+            extra_args=list(shape.server_args),
+        )  # fmt: skip
         start_servers([oracle])
         try:
             batches = draw_run(
                 args.seed,
                 args.cases,
-                Model(oracle.block_size, oracle.max_model_len, tiny.vocab_size),
+                Model(oracle.block_size, oracle.max_model_len, _vocab(model)),
             )
             if args.only is not None:
                 batch, case = find_case(batches, args.only)

@@ -428,10 +428,11 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
         return self._scheduler.matched_tokens(request, num_computed_tokens)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        # A load moves the request's own blocks of every group the connector
-        # names (state groups included), not a prefix cache's hashed ones.
+        # With recurrent state a load moves the request's own blocks of every
+        # group, state groups included (vLLM's default names the prefix-
+        # cacheable ones); attention-only models keep vLLM's default.
         groups = getattr(self._kv_cache_config, "transfer_group_ids", None)
-        if groups is None:
+        if groups is None or not any(self._states):
             return super().get_loaded_kv_cache_group_ids(request)
         return tuple(groups)
 
