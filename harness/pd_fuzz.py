@@ -418,9 +418,8 @@ def judge_case(ctx: Context, run: CaseRun, batch: Batch, loaded: set[str]) -> li
     case = run.case
     vocab = ctx.model.vocab_size
     found: list[Finding] = []
-    want_prefill = ctx.oracle.answers(
-        case.prompt(vocab), case.prefill_max_tokens, **case.prefill_fields()
-    )
+    prompt, max_tokens, fields = prefill_request(ctx, case)
+    want_prefill = ctx.oracle.answers(prompt, max_tokens, **fields)
     want_decode = ctx.oracle.answers(case.decode_prompt(vocab), case.decode_max_tokens)
     permitted = allowed(case, batch, ctx.model)
     if want_prefill is None:  # vLLM refuses the prefill leg: nothing is pushed
@@ -459,6 +458,21 @@ def judge_case(ctx: Context, run: CaseRun, batch: Batch, loaded: set[str]) -> li
                 case,
             ))  # fmt: skip
     return found
+
+
+def prefill_request(ctx: Context, case: Case) -> tuple[list[int], int, dict[str, Any]]:
+    """What the prefill leg computes, as the oracle is asked it: (prompt, max_tokens, fields).
+
+    A model with recurrent state computes its prompt but the last token and
+    answers one token of that (the connector cuts it for the decode, which
+    applies the last token itself; vLLM's NixlConnector does the same).
+    """
+    prompt, fields = case.prompt(ctx.model.vocab_size), case.prefill_fields()
+    if not ctx.pair.shape.mamba or len(prompt) <= 1:
+        return prompt, case.prefill_max_tokens, fields
+    if "min_tokens" in fields:
+        fields["min_tokens"] = min(int(fields["min_tokens"]), 1)  # type: ignore[call-overload]
+    return prompt[:-1], 1, fields
 
 
 def loaded_transfers(daemon: Daemon) -> set[str]:
@@ -605,7 +619,8 @@ def run_batch(ctx: Context, batch: Batch) -> tuple[list[CaseRun], list[Finding]]
     """Every case of ``batch`` at once (and its fault of the system); then judge all."""
     vocab = ctx.model.vocab_size
     for case in batch.cases:  # the oracle first: it shares a core with the prefill
-        ctx.oracle.answers(case.prompt(vocab), case.prefill_max_tokens, **case.prefill_fields())
+        prompt, max_tokens, fields = prefill_request(ctx, case)
+        ctx.oracle.answers(prompt, max_tokens, **fields)
         ctx.oracle.answers(case.decode_prompt(vocab), case.decode_max_tokens)
     done = threading.Event()
     with ThreadPoolExecutor(len(batch.cases) + 1) as pool:

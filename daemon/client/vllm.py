@@ -221,9 +221,6 @@ PP_SPLIT = "kvpushd_split_pp"
 # The content of a pusher that pushes nothing, before why (statemachine/content.py
 # takes any content that is not block hashes as a name both sides must share).
 NOT_PUSHED = "not pushed: "
-# In a prefill's kv_transfer_params: its prompt was cut short of the last
-# token (a model with recurrent state, vllm_layout.STATE_BACKOFF), once.
-TRUNCATED = "kvpushd_truncated"
 # How a prefill request must have ended for its KV to be pushed: its prompt
 # was computed (it stopped, or hit its length). An abort pushes nothing.
 _COMPUTED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED})
@@ -557,8 +554,12 @@ class _SchedulerSide:
         self._node = node
         self._windows = windows
         self._states = states or (False,) * len(windows)
-        # Prompt tokens the decode computes itself (1 with recurrent state).
+        # Prompt tokens the decode computes itself (1 with recurrent state),
+        # and the prefill requests whose prompt was cut by as many (bounded).
+        # By request, not in kv_transfer_params: vLLM's parallel sampling
+        # (n > 1) hands every child request the same params dict.
         self._backoff = prompt_backoff(self._states)
+        self._cut: dict[str, None] = {}
         self._hold_every_s = hold_every_s
         # Transfer id -> when its push was last held (time.monotonic()), for
         # the requests queued for blocks (bounded).
@@ -586,23 +587,26 @@ class _SchedulerSide:
         The decode applies that token to the state itself; a state that had
         taken it on the prefill too would take it twice (the first token
         differed on 8 of 8 prompts, docs/mamba-on-vllm-cpu.md). Cut once
-        (a preempted request comes back here with the mark), never to no
-        token, and not for a request that reads no prefix (prompt logprobs:
-        the decode computes its whole prompt). The prefill's own output is
-        then of the shorter prompt: routers answer from the decode.
+        (vLLM calls this when a request is added, not when a preempted one
+        resumes), never to no token, and not for a request that reads no
+        prefix (prompt logprobs: the decode computes its whole prompt). The
+        prefill's own answer is then one token, of the shorter prompt (as
+        with vLLM's NixlConnector): routers answer from the decode.
         """
         params = request.kv_transfer_params
         if not self._backoff or not params or not params.get("do_remote_decode"):
             return
         prompt = request.prompt_token_ids
         skips = getattr(request, "get_skip_reading_prefix_cache", lambda: False)()
-        if params.get(TRUNCATED) or prompt is None or len(prompt) <= self._backoff or skips:
+        if request.request_id in self._cut or prompt is None or len(prompt) <= self._backoff:
+            return
+        if skips:
             return
         del prompt[-self._backoff :]
         del request._all_token_ids[-self._backoff :]
         request.num_prompt_tokens -= self._backoff
         request.max_tokens = 1
-        params[TRUNCATED] = True
+        _remember(self._cut, request.request_id, None)
 
     def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
@@ -763,6 +767,8 @@ class _SchedulerSide:
     def finished(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        cut = request.request_id in self._cut
+        self._cut.pop(request.request_id, None)
         if request.request_id in self._loading:
             # Finished while loading (an abort): vLLM keeps its blocks until the
             # worker reports the load over, which it does once the daemon
@@ -792,7 +798,7 @@ class _SchedulerSide:
         if request.prompt_token_ids is None:
             self._not_pushing(request, params, "the prompt has no token ids (prompt embeddings)")
             return False, None
-        if self._backoff and not params.get(TRUNCATED):
+        if self._backoff and not cut:
             # Its state took the whole prompt: a decode would apply the last
             # token twice. It computes the prompt instead.
             log.warning("kvpushd: %s: whole prompt computed: not pushed", request.request_id)
