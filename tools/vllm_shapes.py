@@ -8,6 +8,7 @@ worker busy-polls), so the larger shapes are proven with this driver::
     .venv-vllm/bin/python tools/vllm_shapes.py --prefill-tp 4 --decode-tp 2
     .venv-vllm/bin/python tools/vllm_shapes.py --prefill-tp 2 --prefill-pp 2
     .venv-vllm/bin/python tools/vllm_shapes.py --prefill-tp 2 --hybrid
+    .venv-vllm/bin/python tools/vllm_shapes.py --prefill-dp 2 --decode-dp 1
 
 Two daemons and two vLLM servers (kvpushd_pd), the tiny seeded llama (with
 ``--hybrid``: its layer 0 a 48-token sliding window). For each prompt
@@ -15,7 +16,10 @@ length, the decode instance's greedy tokens must equal the prefill
 instance's own answer without transfer parameters, and the decode's
 external-KV counter must move by the prompt (it loaded, not computed). A
 decode with more ranks or stages than the prefill is named on the prefill
-leg, as the project's router does. Prints one line per prompt and the
+leg, as the project's router does. With data-parallel engines every
+(prefill engine, decode engine) pair is tried for each prompt, each leg
+sent to its engine with vLLM's ``X-data-parallel-rank`` header. Prints one
+line per prompt and engine pair, and the
 engines each daemon saw; exit status 1 if any prompt's tokens differ or
 were not loaded.
 """
@@ -45,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     for side in ("prefill", "decode"):
         parser.add_argument(f"--{side}-tp", type=int, default=1)
         parser.add_argument(f"--{side}-pp", type=int, default=1)
+        parser.add_argument(f"--{side}-dp", type=int, default=1)
     parser.add_argument("--hybrid", action="store_true", help="a 48-token sliding-window layer")
     parser.add_argument("--lengths", type=int, nargs="+", default=[40, 150, 300])
     parser.add_argument("--seed", type=int, default=7)
@@ -61,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         decode_tp=args.decode_tp,
         prefill_pp=args.prefill_pp,
         decode_pp=args.decode_pp,
+        prefill_dp=args.prefill_dp,
+        decode_dp=args.decode_dp,
     ) as (p, d, prefill, decode):
         print(f"servers up after {time.monotonic() - started:.0f} s", flush=True)
         named = {
@@ -68,20 +75,41 @@ def main(argv: list[str] | None = None) -> int:
             "decode_pp": args.decode_pp if args.decode_pp > args.prefill_pp else None,
         }
         rng = random.Random(args.seed)
+        engines = [
+            (pr, dr) if args.prefill_dp * args.decode_dp > 1 else (None, None)
+            for pr in range(args.prefill_dp)
+            for dr in range(args.decode_dp)
+        ]
+        tried = 0
         for length in args.lengths:
-            prompt = [rng.randrange(2, 512) for _ in range(length)]
-            single = p.complete(prompt, TOKENS, timeout_s=300).token_ids
-            before = d.metrics().total(EXTERNAL, source="external_kv_transfer")
-            sent = prefill_leg(p, prompt, timeout_s=300, **named)
-            got = d.complete(prompt, TOKENS, kv_transfer_params=sent, timeout_s=300).token_ids
-            loaded = d.metrics().total(EXTERNAL, source="external_kv_transfer") - before
-            ok = got == single and loaded >= length - 1
-            wrong += not ok
-            print(f"{length:5d} tokens: equal={got == single} loaded={loaded:.0f}", flush=True)
+            for pr, dr in engines:
+                # A fresh prompt per engine pair: the decode engine must load it, not hit it.
+                prompt = [rng.randrange(2, 512) for _ in range(length)]
+                single = p.complete(prompt, TOKENS, timeout_s=300, dp_rank=pr).token_ids
+                before = d.metrics().total(EXTERNAL, source="external_kv_transfer")
+                if pr is None:
+                    sent = prefill_leg(p, prompt, timeout_s=300, **named)
+                else:
+                    leg = p.complete(
+                        prompt, 1, kv_transfer_params={"do_remote_decode": True}, dp_rank=pr
+                    )
+                    sent = dict(leg.raw["kv_transfer_params"])
+                got = d.complete(
+                    prompt, TOKENS, kv_transfer_params=sent, timeout_s=300, dp_rank=dr
+                ).token_ids
+                loaded = d.metrics().total(EXTERNAL, source="external_kv_transfer") - before
+                ok = got == single and loaded >= length - 1
+                wrong += not ok
+                tried += 1
+                where = "" if pr is None else f" prefill engine {pr} -> decode engine {dr}:"
+                print(
+                    f"{length:5d} tokens:{where} equal={got == single} loaded={loaded:.0f}",
+                    flush=True,
+                )
         wait_idle(prefill, decode, timeout=30)
         print("prefill engines:", " ".join(sorted(prefill.status()["engines"])))
         print("decode engines: ", " ".join(sorted(decode.status()["engines"])))
-    print("OK" if not wrong else f"{wrong} of {len(args.lengths)} prompts wrong or not loaded")
+    print("OK" if not wrong else f"{wrong} of {tried} prompts wrong or not loaded")
     return 1 if wrong else 0
 
 
