@@ -9,9 +9,12 @@ worker busy-polls), so the larger shapes are proven with this driver::
     .venv-vllm/bin/python tools/vllm_shapes.py --prefill-tp 2 --prefill-pp 2
     .venv-vllm/bin/python tools/vllm_shapes.py --prefill-tp 2 --hybrid
     .venv-vllm/bin/python tools/vllm_shapes.py --prefill-dp 2 --decode-dp 1
+    .venv-vllm/bin/python tools/vllm_shapes.py --prefill-tp 2 --decode-tp 2 --mla
 
 Two daemons and two vLLM servers (kvpushd_pd), the tiny seeded llama (with
-``--hybrid``: its layer 0 a 48-token sliding window). For each prompt
+``--hybrid``: its layer 0 a 48-token sliding window; ``--mla``: the tiny
+DeepSeek-V2 instead, block 16, vLLM's pure-torch rope as
+tests_vllm/test_pd_mla.py runs it). For each prompt
 length, the decode instance's greedy tokens must equal the prefill
 instance's own answer without transfer parameters, and the decode's
 external-KV counter must move by the prompt (it loaded, not computed). A
@@ -27,6 +30,7 @@ were not loaded.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import tempfile
@@ -36,6 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from daemon.sim.launcher import wait_idle
+from daemon.sim.tinydeepseek import write_tinydeepseek
 from daemon.sim.tinyllama import TinyLlama, write_tinyllama
 from daemon.sim.vllm_router import prefill_leg
 from daemon.sim.vllm_servers import kvpushd_pd
@@ -51,12 +56,27 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{side}-pp", type=int, default=1)
         parser.add_argument(f"--{side}-dp", type=int, default=1)
     parser.add_argument("--hybrid", action="store_true", help="a 48-token sliding-window layer")
+    parser.add_argument("--mla", action="store_true", help="the tiny DeepSeek-V2 (MLA)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[40, 150, 300])
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="kvpushd-shapes-"))
     shape = TinyLlama(sliding_layers=(0,), sliding_window=48) if args.hybrid else TinyLlama()
-    model = write_tinyllama(work / "model", shape)
+    model = (
+        write_tinydeepseek(work / "model") if args.mla else write_tinyllama(work / "model", shape)
+    )
+    # vLLM's CPU MLA backend takes blocks of 16 and mis-rotates with its own rope op.
+    rope = ("--compilation-config", json.dumps({"custom_ops": ["all", "-rotary_embedding"]}))
+    mla = (
+        {
+            "prefill_block_size": 16,
+            "decode_block_size": 16,
+            "prefill_args": rope,
+            "decode_args": rope,
+        }
+        if args.mla
+        else {}
+    )
     started = time.monotonic()
     wrong = 0
     with kvpushd_pd(
@@ -68,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         decode_pp=args.decode_pp,
         prefill_dp=args.prefill_dp,
         decode_dp=args.decode_dp,
+        **mla,
     ) as (p, d, prefill, decode):
         print(f"servers up after {time.monotonic() - started:.0f} s", flush=True)
         named = {
