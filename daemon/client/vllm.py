@@ -597,10 +597,9 @@ class _SchedulerSide:
         if not self._backoff or not params or not params.get("do_remote_decode"):
             return
         prompt = request.prompt_token_ids
-        skips = getattr(request, "get_skip_reading_prefix_cache", lambda: False)()
         if request.request_id in self._cut or prompt is None or len(prompt) <= self._backoff:
             return
-        if skips:
+        if getattr(request, "get_skip_reading_prefix_cache", lambda: False)():
             return
         del prompt[-self._backoff :]
         del request._all_token_ids[-self._backoff :]
