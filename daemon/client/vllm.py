@@ -557,7 +557,8 @@ class _SchedulerSide:
         # Prompt tokens the decode computes itself (1 with recurrent state),
         # and the prefill requests whose prompt was cut by as many (bounded).
         # By request, not in kv_transfer_params: vLLM's parallel sampling
-        # (n > 1) hands every child request the same params dict.
+        # (n > 1) shallow-copies the parent's params, so an in-process engine
+        # sees one params dict for every child.
         self._backoff = prompt_backoff(self._states)
         self._cut: dict[str, None] = {}
         self._hold_every_s = hold_every_s
