@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import random
 import statistics
 import sys
 import tempfile
@@ -35,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.results import write_section
-from bench.vllm_pd_bench import paused
+from bench.vllm_pd_bench import Prompts, paused
 from daemon.sim.tinydeepseek import write_tinydeepseek
 from daemon.sim.tinynemotron import write_tinynemotron
 from daemon.sim.vllm_router import percentile, route, single
@@ -55,14 +54,10 @@ MODELS: dict[str, tuple[Callable[[Path], Path], int, tuple[str, ...], dict[str, 
 KVPUSHD, NIXL, SINGLE = "kvpushd", "NixlConnector", "single instance"
 
 
-def _prompts(rng: random.Random, n: int, length: int) -> list[list[int]]:
-    return [[rng.randrange(2, 512) for _ in range(length)] for _ in range(n)]
-
-
 def run_model(name: str, work: Path, args: argparse.Namespace) -> list[str]:
     write, block, flags, nixl_env = MODELS[name]
     model = write(work / f"{name}-model")
-    rng = random.Random(20261206)
+    prompts = Prompts(args.prompt_len, seed=20261206)
     ttft: dict[str, list[float]] = {SINGLE: [], KVPUSHD: [], NIXL: []}
     wrong = {KVPUSHD: 0, NIXL: 0}
     failed: dict[str, str] = {}
@@ -91,7 +86,7 @@ def run_model(name: str, work: Path, args: argparse.Namespace) -> list[str]:
         except VllmServerError as exc:
             failed[NIXL] = str(exc).splitlines()[0][:200]
         for round_ in range(args.rounds):
-            batch = _prompts(rng, args.prompts, args.prompt_len)
+            batch = prompts.take(args.prompts)
             order = list(pairs) if round_ % 2 == 0 else list(pairs)[::-1]
             answers: dict[str, list[list[int]]] = {}
             for setup in order:

@@ -108,13 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 prompt = [rng.randrange(2, 512) for _ in range(length)]
                 single = p.complete(prompt, TOKENS, timeout_s=300, dp_rank=pr).token_ids
                 before = d.metrics().total(EXTERNAL, source="external_kv_transfer")
-                if pr is None:
-                    sent = prefill_leg(p, prompt, timeout_s=300, **named)
-                else:
-                    leg = p.complete(
-                        prompt, 1, kv_transfer_params={"do_remote_decode": True}, dp_rank=pr
-                    )
-                    sent = dict(leg.raw["kv_transfer_params"])
+                sent = prefill_leg(p, prompt, timeout_s=300, dp_rank=pr, **named)
                 got = d.complete(
                     prompt, TOKENS, kv_transfer_params=sent, timeout_s=300, dp_rank=dr
                 ).token_ids

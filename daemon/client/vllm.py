@@ -409,7 +409,7 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
                 group_layers=tuple(tuple(g.layer_names) for g in groups) if groups else None,
                 buffer=kv_buffer(extra.get("kv_buffer"), str(device or "cpu")),
                 num_blocks=getattr(kv_cache_config, "num_blocks", None),
-                states=self._states if groups else None,
+                states=self._states,
             )
 
     # ------------------------------------------------------------- scheduler
@@ -1075,10 +1075,10 @@ class _WorkerSide:
         group_layers: tuple[tuple[str, ...], ...] | None = None,
         buffer: str = SHARED,
         num_blocks: int | None = None,
-        states: tuple[bool, ...] | None = None,
+        states: tuple[bool, ...] = (False,),
     ) -> None:
         self._socket = socket_path
-        # Which groups hold recurrent state (None: one group, attention).
+        # Which KV cache groups hold recurrent state (Mamba/SSM), in group order.
         self._states = states
         # vLLM's block count (None: not told), to find each tensor's block dimension.
         self._num_blocks = num_blocks
@@ -1185,7 +1185,7 @@ class _WorkerSide:
                 "KvpushdConnector: vLLM did not allocate its KV cache through "
                 "get_mem_pool_context(); the daemon cannot map it"
             )
-        if self._states is not None and any(self._states) and self.buffer != SHARED:
+        if any(self._states) and self.buffer != SHARED:
             raise RuntimeError(
                 "KvpushdConnector: this model keeps Mamba/SSM state, which kv_buffer = "
                 f"{self.buffer!r} does not carry: use kv_buffer = 'shared' (host-memory KV)"
@@ -1541,8 +1541,7 @@ class _WorkerSide:
         State blocks carry no token hash, so nothing but the tokens can tell.
         """
         blocks = list(receive.block_ids)
-        held = [g for g, state in enumerate(self._states or ()) if state and g < len(blocks)]
-        held = [g for g in held if blocks[g]]
+        held = [g for g, state in enumerate(self._states[: len(blocks)]) if state and blocks[g]]
         if len(held) < 2 or not failpoints.corrupts("connector.swap_states"):
             return receive
         a, b = held[:2]
@@ -2110,7 +2109,7 @@ def _layout(
     group_layers: tuple[tuple[str, ...], ...],
     buffer: torch.Tensor,
     path: Path,
-    states: tuple[bool, ...] | None = None,
+    states: tuple[bool, ...] = (False,),
 ) -> tuple[tuple[GroupSpec, ...], RegionSpec]:
     """One group per KV cache group, its layers vLLM's views of the shared buffer.
 
@@ -2127,8 +2126,7 @@ def _layout(
     for g, names in enumerate(group_layers):
         # In the order the worker sorted the layers (model order).
         members = {name: kv_caches[name] for name in sorted(names, key=order.index)}
-        state = bool(states and states[g])
-        groups.append(_group(members, buffer.data_ptr(), size, state))
+        groups.append(_group(members, buffer.data_ptr(), size, g < len(states) and states[g]))
     return tuple(groups), RegionSpec("kv", size, path=str(path))
 
 

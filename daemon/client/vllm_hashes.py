@@ -62,7 +62,6 @@ def prompt_blocks(
     """
     if len(block_ids) != len(windows):
         raise ValueError(f"{len(block_ids)} block lists for {len(windows)} KV cache groups")
-    states = tuple(states) or (False,) * len(windows)
     return tuple(
         _state_block(ids)
         if state
@@ -70,7 +69,9 @@ def prompt_blocks(
             [(pos, b) for pos, b in enumerate(ids[:count]) if not (window and b == NULL_BLOCK)],
             index,
         )
-        for index, (ids, window, state) in enumerate(zip(block_ids, windows, states, strict=True))
+        for index, (ids, window, state) in enumerate(
+            zip(block_ids, windows, _kinds(states, len(windows)), strict=True)
+        )
     )
 
 
@@ -85,7 +86,6 @@ def unhashed_prompt_blocks(
     A state group (``states``) loads into its last block, the one vLLM's
     kernels read the running state from.
     """
-    states = tuple(states) or (False,) * len(groups)
     return tuple(
         _state_block([b.block_id for b in group])
         if state
@@ -97,8 +97,15 @@ def unhashed_prompt_blocks(
             ],
             index,
         )
-        for index, (group, state) in enumerate(zip(groups, states, strict=True))
+        for index, (group, state) in enumerate(
+            zip(groups, _kinds(states, len(groups)), strict=True)
+        )
     )
+
+
+def _kinds(states: Sequence[bool], groups: int) -> Sequence[bool]:
+    """Which of ``groups`` groups hold state; none when the caller names none (``()``)."""
+    return states or (False,) * groups
 
 
 def _state_block(ids: Sequence[int]) -> Named:
@@ -135,11 +142,10 @@ def content(named: Sequence[Named], hashes: Sequence[str], states: Sequence[bool
     (``-``) and paired by the SSM rule alone; the prompt it is the state of
     is proven by the attention groups' hashes and the prompt's digest.
     """
-    states = tuple(states) or (False,) * len(named)
     return encode(
         tuple(
             None if state else GroupHashes(first, tuple(hashes[first : first + len(ids)]))
-            for (first, ids), state in zip(named, states, strict=True)
+            for (first, ids), state in zip(named, _kinds(states, len(named)), strict=True)
         )
     )
 

@@ -239,7 +239,7 @@ def fingerprint(
         _state_name(group.kv_cache_spec) if _is_state(group) else f"swa{w}" if w else "full"
         for group, w in zip(groups, group_windows(kv_cache_config), strict=False)
     ]
-    if names != [] and names != ["full"]:
+    if names not in ([], ["full"]):
         layout += ":groups=" + ",".join(names)
     return Fingerprint(
         model=model_id or str(model.model),

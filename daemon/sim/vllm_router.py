@@ -150,16 +150,18 @@ def prefill_leg(
     timeout_s: float = 120.0,
     max_tokens: int = 1,
     transfer_id: str | None = None,
+    dp_rank: int | None = None,
 ) -> dict[str, Any]:
     """Step 1 alone: the ``kv_transfer_params`` the prefill server answers with.
 
     ``decode_tp``, ``decode_pp``: the decode's sizes to name (None: unsaid,
     as vLLM's own proxies send the prefill leg). ``max_tokens``: the
     prefill leg's (routers that do not follow the contract send more than
-    1); ``transfer_id``: a router-made transfer id on the leg.
+    1); ``transfer_id``: a router-made transfer id on the leg; ``dp_rank``:
+    the prefill's data-parallel engine to send it to (None: vLLM's choice).
     """
     answer = _prefill(
-        prefill, prompt, None, timeout_s, decode_tp, decode_pp, max_tokens, transfer_id
+        prefill, prompt, None, timeout_s, decode_tp, decode_pp, max_tokens, transfer_id, dp_rank
     )
     return _params_of(prefill, answer)
 
@@ -173,6 +175,7 @@ def _prefill(
     decode_pp: int | None,
     max_tokens: int = 1,
     transfer_id: str | None = None,
+    dp_rank: int | None = None,
 ) -> Completion:
     params: dict[str, Any] = {"do_remote_decode": True}
     for key, size in (("kvpushd_decode_tp", decode_tp), ("kvpushd_decode_pp", decode_pp)):
@@ -181,7 +184,12 @@ def _prefill(
     if transfer_id is not None:
         params["transfer_id"] = transfer_id
     return prefill.complete(
-        prompt, max_tokens, request_id=request_id, kv_transfer_params=params, timeout_s=timeout_s
+        prompt,
+        max_tokens,
+        request_id=request_id,
+        kv_transfer_params=params,
+        timeout_s=timeout_s,
+        dp_rank=dp_rank,
     )
 
 
