@@ -249,6 +249,16 @@ def test_the_fingerprint_names_what_else_changes_the_kv(
     assert first_difference(plain, fingerprint(_vllm_config(ngram), "0")) is None
 
 
+def test_the_fingerprint_names_the_cpu_attention_kernels_block_layout() -> None:
+    # vLLM's "vec" kernels keep a block's keys dimension-major, its "amx"
+    # ones (bfloat16 on CPUs with AMX) in tiles: the same model and block
+    # size on two hosts may hold one KV in different bytes.
+    vec = fingerprint(_vllm_config(), "0", attention_isa="vec")
+    amx = fingerprint(_vllm_config(), "0", attention_isa="amx")
+    assert vec.kv_layout.endswith(":isa=vec")
+    assert first_difference(vec, amx)[0] == "kv_layout"
+
+
 def test_an_mla_model_holds_one_replicated_latent_whatever_its_config_says() -> None:
     # DeepSeek's config says 128 KV heads; MLA caches one latent per token on every rank.
     mla = _vllm_config(use_mla=True)
@@ -373,7 +383,8 @@ def test_a_prefill_splits_its_push_only_for_a_decode_pp_whose_stages_nest_in_its
 
 def test_instances_of_different_block_sizes_do_not_pair() -> None:
     # The prefill's 32-token blocks are not runs of the decode's 64-token
-    # ones in vLLM's head-major CPU layout: refused at the pairing, never written.
+    # ones in vLLM's CPU layout (each head's keys dimension-major, measured
+    # in docs/block-sizes-on-vllm-cpu.md): refused at the pairing, never written.
     small, large = _vllm_config(), _vllm_config()
     large.cache_config.block_size = 64
     assert first_difference(fingerprint(small, "0"), fingerprint(large, "0"))[0] == "block_size"

@@ -50,6 +50,8 @@ def test_the_decode_side_computes_the_prompt_when_the_prefill_serves_other_weigh
         assert p.complete(prompt, TOKENS).token_ids != own, length
         sent = prefill_leg(p, prompt)
         assert sent["kvpushd_fingerprint"]["model"] == str(p.model)
+        # The CPU kernels the block layout is for ("vec" on this machine's x86).
+        assert sent["kvpushd_fingerprint"]["kv_layout"] == "cpu:auto:isa=vec", sent
         before = d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer")
         assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == own, length
         loaded = d.metrics().total(EXTERNAL_TOKENS, source="external_kv_transfer") - before

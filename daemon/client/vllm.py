@@ -363,7 +363,11 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
         self._block_size = vllm_config.cache_config.block_size
         # What produced this instance's KV: the same on the scheduler and the worker.
         self._fingerprint = fingerprint(
-            vllm_config, vllm.__version__, str(extra.get("model_id") or ""), kv_cache_config
+            vllm_config,
+            vllm.__version__,
+            str(extra.get("model_id") or ""),
+            kv_cache_config,
+            attention_isa=_attention_isa(vllm_config),
         )
         # Each KV cache group's sliding window in tokens (0: full attention),
         # and which hold recurrent state (Mamba/SSM) instead of token positions.
@@ -996,6 +1000,28 @@ def _receive_spec(
         source_stages=_split_of(params, PP_SPLIT) or stages,
         split_tp=_split_of(params, TP_SPLIT) or ranks,
         content=content,
+    )
+
+
+def _attention_isa(vllm_config: VllmConfig) -> str:
+    """The kernel family vLLM's CPU attention lays this instance's blocks out for ("": not CPU).
+
+    The CPU kernels write a block's keys dimension-major (``[head_size,
+    block_size]`` per head) in the "vec" kernels, and in tiles of their own
+    in others ("amx" for bfloat16 where the CPU has AMX): two hosts of one
+    model and block size can hold the same KV in different bytes.
+    """
+    model = vllm_config.model_config
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
+    if device != "cpu" or getattr(model, "use_mla", False):
+        return ""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    except ImportError:  # a vLLM without it: the layout is named by the rest alone
+        return ""
+    cache = vllm_config.cache_config
+    return str(
+        _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
     )
 
 

@@ -215,7 +215,11 @@ def window_gap(prompt_len: int, block_size: int, windows: Sequence[int]) -> int 
 
 
 def fingerprint(
-    vllm_config: Any, engine_version: str, model_id: str = "", kv_cache_config: Any = None
+    vllm_config: Any,
+    engine_version: str,
+    model_id: str = "",
+    kv_cache_config: Any = None,
+    attention_isa: str = "",
 ) -> Fingerprint:
     """The fingerprint of the KV this vLLM instance computes.
 
@@ -224,7 +228,8 @@ def fingerprint(
     identity: for the same weights at different paths on different hosts.
     A model with several KV cache groups names each group's window in the
     layout (an instance with the hybrid allocator off holds one group, and
-    the two do not pair).
+    the two do not pair). ``attention_isa``: the kernels a CPU instance's
+    attention lays its blocks out for (they differ by host: "amx", "vec"...).
     """
     model = vllm_config.model_config
     cache = vllm_config.cache_config
@@ -232,6 +237,8 @@ def fingerprint(
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     device = getattr(getattr(vllm_config, "device_config", None), "device_type", "") or ""
     layout = f"{device}:{getattr(backend, 'name', backend) or 'auto'}"
+    if attention_isa:
+        layout += f":isa={attention_isa}"
     if getattr(model, "use_mla", False):
         layout += ":mla"
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
