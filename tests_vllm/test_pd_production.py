@@ -1,10 +1,13 @@
-"""A production layout through kvpushd: data-parallel engines, an fp8 KV cache, n-gram speculation.
+"""A production layout through kvpushd: data-parallel engines, an fp8 KV cache, a draft model.
 
 The pair is what DeepSeek-style serving runs, scaled down: each side is two
 data-parallel engines (``--data-parallel-size 2``: one API server, two
 engine cores, each an instance of its own to its daemon), the KV cache is
 fp8 (``--kv-cache-dtype fp8``, one byte per element: vLLM's uint8 storage),
-and both sides speculate with n-gram proposals. The router picks each leg's
+and both sides speculate with a draft model (``method: draft_model``) whose
+weights are the target's own: vLLM caches the draft's KV in the same KV
+cache group, so it moves with the target's, and a draft that reads the right
+KV proposes exactly what the target then computes. The router picks each leg's
 engine with vLLM's ``X-data-parallel-rank`` header, so every (prefill
 engine, decode engine) combination is driven, not left to the balancer.
 
@@ -12,8 +15,9 @@ fp8's scales: vLLM's CPU fp8 cache stores the values with the layer's
 ``k_scale``/``v_scale``, which come from the checkpoint (1.0 here), not from
 the cache; both sides load the same weights (the fingerprint names the
 model and the KV dtype), so the bytes mean the same on both, and the tokens
-below prove it. The n-gram proposer keeps no KV of its own, so it is not in
-the fingerprint: the KV is the target model's alone.
+below prove it. The fingerprint names the draft (method, model, tokens):
+a decode drafting with another model does not pair. (The n-gram proposer,
+which keeps no KV, is left out of it: tests/test_vllm_layout.py.)
 
 The oracle is the prefill instance asked without transfer parameters (the
 same weights, the same KV dtype, the same speculative settings): a single
@@ -29,23 +33,29 @@ import itertools
 import json
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from daemon.journal.replay import replay
 from daemon.sim.launcher import Daemon, wait_idle
-from daemon.sim.tinyllama import write_tinyllama
+from daemon.sim.tinyllama import TinyLlama, write_tinyllama
 from daemon.sim.vllm_servers import VllmServer, kvpushd_pd
-from schemas.events import WriteDone
+from schemas.events import WriteDone, WriteStarted
 
 TOKENS = 12
 BLOCK = 32
 EXTERNAL = "vllm:prompt_tokens_by_source_total"
-# Tokens the n-gram proposer drafted (the random model seldom accepts them).
 DRAFTED = "vllm:spec_decode_num_draft_tokens_total"
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
-         "prompt_lookup_min": 2}  # fmt: skip
-ARGS = ("--kv-cache-dtype", "fp8", "--speculative-config", json.dumps(NGRAM))
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+DRAFT_TOKENS = 3
+
+
+def _args(draft: Path) -> tuple[str, ...]:
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": DRAFT_TOKENS}
+    return ("--kv-cache-dtype", "fp8", "--speculative-config", json.dumps(spec))
+
+
 # The planted misplacement must land to show that the tokens see it.
 NO_CHECKS = '[integrity]\nverify = "off"'
 
@@ -60,8 +70,8 @@ def production(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
         tmp_path_factory.mktemp("pd-production"),
         prefill_dp=2,
         decode_dp=2,
-        prefill_args=ARGS,
-        decode_args=ARGS,
+        prefill_args=_args(model),
+        decode_args=_args(model),
         prefill_env={"KVPUSHD_FAILPOINTS": "integrity.shift_src=corrupt@1"},
         prefill_daemon_extra=NO_CHECKS,
         decode_daemon_extra=NO_CHECKS,
@@ -130,16 +140,35 @@ def test_every_prefill_engine_feeds_every_decode_engine_token_exact(production: 
         assert dtypes == {"fp8"}, (daemon.node, dtypes)
 
 
-def test_ngram_speculation_on_the_decode_after_a_load_is_token_exact(production: PD) -> None:
-    """Prompts that repeat themselves, so that the decode drafts n-gram proposals."""
+def test_the_draft_models_kv_moves_with_the_targets_and_its_drafts_are_accepted(
+    production: PD,
+) -> None:
+    """Every block carries the draft's layers beside the target's; the drafts read them."""
     p, d, prefill, decode = production
     rng = random.Random(12)
-    drafted = d.metrics().total(DRAFTED)
+    model = TinyLlama()
+    # fp8: one byte per element; the target's layers and the draft's (the same model).
+    layer_block = model.num_key_value_heads * BLOCK * 2 * model.head_dim
     for length in (65, 160, 257):
-        motif = [rng.randrange(2, 512) for _ in range(24)]
-        prompt = (motif * (length // len(motif) + 1))[:length]
+        prompt = [rng.randrange(2, 512) for _ in range(length)]
+        alone = p.metrics().total(ACCEPTED)
         single = p.complete(prompt, TOKENS).token_ids
-        got, _ = _pd(p, d, prompt, length % 2, (length // 2) % 2)
+        alone = p.metrics().total(ACCEPTED) - alone
+        accepted, drafted = d.metrics().total(ACCEPTED), d.metrics().total(DRAFTED)
+        got, sent = _pd(p, d, prompt, length % 2, (length // 2) % 2)
         assert got == single, length
-    assert d.metrics().total(DRAFTED) > drafted
-    wait_idle(prefill, decode, timeout=10)
+        accepted = d.metrics().total(ACCEPTED) - accepted
+        drafted = d.metrics().total(DRAFTED) - drafted
+        # The decode's drafts after the load are accepted as on the single
+        # instance (its first step recomputes the last prompt token and
+        # drafts once more than a prefill that answered a token itself).
+        assert alone > 0 and accepted == alone, (length, alone, accepted, drafted)
+        assert drafted <= alone + DRAFT_TOKENS, (length, alone, drafted)
+        wait_idle(prefill, decode, timeout=10)
+        (started,) = [
+            e
+            for e in prefill.journal_events(str(sent["kvpushd_transfer_id"]))
+            if isinstance(e, WriteStarted)
+        ]
+        per_block = started.nbytes // started.num_blocks
+        assert per_block == 2 * model.num_hidden_layers * layer_block, (length, started)
