@@ -1,11 +1,11 @@
 """What naming every block by its content hash costs: before (one prompt digest) and after.
 
 Before (protocol 3): each side hashed its whole prompt once
-(``vllm_layout.prompt_digest``, BLAKE2b-128) and the core compared two
+(``client.vllm.layout.prompt_digest``, BLAKE2b-128) and the core compared two
 strings. After (protocol 4): each side hashes every prompt block with vLLM's
-own chained block hash (``vllm_hashes.block_hashes``: ``hash_block_tokens``
+own chained block hash (``client.vllm.hashes.block_hashes``: ``hash_block_tokens``
 with SHA-256 over CBOR, and ``generate_block_hash_extra_keys``) and encodes
-them (``vllm_hashes.content``), in vLLM's scheduler; the prefill daemon's
+them (``client.vllm.hashes.content``), in vLLM's scheduler; the prefill daemon's
 core decodes both sides' hashes and checks the tail-trim pairing
 (``statemachine.content.check_pairing``). Real ``vllm.v1.request.Request``
 objects; needs the vLLM environment::
@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable
 
 from bench.results import load_average, machine, write_section
-from daemon.client.vllm_hashes import block_hashes, content, prompt_block_count
-from daemon.client.vllm_layout import prompt_digest
+from daemon.client.vllm.hashes import block_hashes, content, prompt_block_count
+from daemon.client.vllm.layout import prompt_digest
 from statemachine.content import check_pairing
 
 CASES = ((256, 16), (2048, 16), (2048, 32), (16384, 32))

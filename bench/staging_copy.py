@@ -1,7 +1,7 @@
 """Host staging's block copies, timed: vLLM-shaped KV cache <-> the /dev/shm mirror.
 
 The copies ``KvpushdConnector`` makes with ``kv_buffer = "host"``
-(daemon/client/vllm_staging.py): a prefill step's finished requests,
+(daemon/client/vllm/staging.py): a prefill step's finished requests,
 cache -> mirror (``out``), and a decode step's landed loads, mirror ->
 cache (``in``), each one batched call. The cache is laid out as vLLM lays
 it: on a GPU FlashAttention's ``[2, blocks, block_size, heads, head_dim]``
@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from bench.results import load_average, machine, write_section
-from daemon.client.vllm_staging import AUTO, GATHER, RUNS, Staging, block_major
+from daemon.client.vllm.staging import AUTO, GATHER, RUNS, Staging, block_major
 
 TITLE = "Host staging's block copies (bench/staging_copy.py)"
 Step = list[tuple[tuple[int, ...]]]  # one step's requests, each one group's block ids

@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             context += (
                 f" '{STAGED}': a second kvpushd pair whose connectors keep vLLM's cache "
                 "private and stage blocks through host mirrors the daemons map (kv_buffer "
-                "'host', daemon/client/vllm_staging.py): on this CPU build the staging's cost "
+                "'host', daemon/client/vllm/staging.py): on this CPU build the staging's cost "
                 "is two block copies per request."
             )
         if PULL in pairs:

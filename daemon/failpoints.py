@@ -133,14 +133,14 @@ POINTS: Final[Mapping[str, Point]] = MappingProxyType(
             corrupts=True,
         ),
         "connector.swap_slices": Point(
-            "KvpushdConnector _WorkerSide._start_load (daemon/client/vllm.py): a decode rank "
+            "KvpushdConnector WorkerSide._start_load (daemon/client/vllm/worker.py): a decode rank "
             "fed by several prefill ranks registers each prefill rank's receiver on the "
             "next rank's head slice (a planted rank mis-mapping; one hit per load)",
             io=False,
             corrupts=True,
         ),
         "connector.swap_split": Point(
-            "KvpushdConnector _WorkerSide._shares (daemon/client/vllm.py): a prefill rank "
+            "KvpushdConnector RankPlan.shares (daemon/client/vllm/shares.py): a prefill rank "
             "that splits its push for a decode with more ranks or stages pushes each decode "
             "rank's (and stage's) share from the next head (and layer) slice (a planted "
             "rank mis-mapping; one hit per push)",
@@ -148,7 +148,7 @@ POINTS: Final[Mapping[str, Point]] = MappingProxyType(
             corrupts=True,
         ),
         "connector.reverse_group": Point(
-            "KvpushdConnector _WorkerSide._start_load (daemon/client/vllm.py): a decode load "
+            "KvpushdConnector WorkerSide._start_load (daemon/client/vllm/worker.py): a decode load "
             "registers its first KV cache group's blocks in reverse order (a planted "
             "misplacement: each block's hash then names another block; one hit per load "
             "with two blocks or more in that group)",
@@ -156,7 +156,7 @@ POINTS: Final[Mapping[str, Point]] = MappingProxyType(
             corrupts=True,
         ),
         "connector.swap_states": Point(
-            "KvpushdConnector _WorkerSide._start_load (daemon/client/vllm.py): a decode load "
+            "KvpushdConnector WorkerSide._start_load (daemon/client/vllm/worker.py): a decode load "
             "of a model with recurrent state registers its first two state groups' blocks "
             "the other way round (a planted misplacement no block hash can see: a state "
             "names no token; one hit per load with two state blocks)",
@@ -164,7 +164,7 @@ POINTS: Final[Mapping[str, Point]] = MappingProxyType(
             corrupts=True,
         ),
         "connector.skip_stage_in": Point(
-            "KvpushdConnector _WorkerSide._stage_in (daemon/client/vllm.py): with host "
+            "KvpushdConnector WorkerSide._stage_in (daemon/client/vllm/worker.py): with host "
             "staging, a decode step's landed loads are reported finished without the copy "
             "from the host mirror into vLLM's cache (a planted lost copy; one hit per step "
             "that has landed loads)",
@@ -172,7 +172,7 @@ POINTS: Final[Mapping[str, Point]] = MappingProxyType(
             corrupts=True,
         ),
         "connector.shift_push": Point(
-            "KvpushdConnector _SchedulerSide.finished (daemon/client/vllm.py): a finished "
+            "KvpushdConnector SchedulerSide.finished (daemon/client/vllm/scheduler.py): a finished "
             "prefill names its prompt's blocks without the last one, with their true block "
             "hashes, so the tail trim pairs each decode block with the block before its own "
             "(a planted misalignment the block hashes must refuse; one hit per push)",

@@ -15,14 +15,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from daemon.client.vllm_hashes import (
+from daemon.client.vllm.hashes import (
     NotOneRun,
     content,
     prompt_block_count,
     prompt_blocks,
     unhashed_prompt_blocks,
 )
-from daemon.client.vllm_layout import NULL_BLOCK
+from daemon.client.vllm.layout import NULL_BLOCK
 from schemas.reasons import Reason
 from statemachine.content import (
     GroupHashes,

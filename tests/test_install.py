@@ -25,7 +25,12 @@ from pathlib import Path
 from tests.support import REPO
 
 NOT_INSTALLED = ("harness", "tests", "bench", "tools")
-CONNECTOR = ("daemon.client.vllm", "daemon.client.vllm_stats")
+# The connector's parts that import vLLM (its pure parts, and the package
+# itself, import without it: the package exports the connector lazily).
+CONNECTOR = tuple(
+    f"daemon.client.vllm.{part}"
+    for part in ("connector", "metadata", "scheduler", "stats", "worker")
+)
 
 IMPORT_ALL = """
 import importlib, importlib.abc, json, pkgutil, sys

@@ -18,6 +18,7 @@ offending import; with the offending module emptied, it reports nothing.
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,24 +28,30 @@ from tests.support import REPO
 from tests.support.imports import DYNAMIC, ImportGraph, chain_text, is_stdlib, is_under
 
 PACKAGE = ("daemon", "schemas", "statemachine")
-# The modules vLLM loads as KvpushdConnector: the only ones that import vllm.
-CONNECTOR = (
-    "daemon.client.vllm",
-    "daemon.client.vllm_stats",
-    "daemon.client.vllm_layout",
-    "daemon.client.vllm_staging",
-    "daemon.client.vllm_hashes",
+# The package vLLM loads as KvpushdConnector: the only modules that import vllm.
+CONNECTOR = ("daemon.client.vllm",)
+# Its pure parts: the rank and slice map, a load's end, the router
+# parameters, the specs, the config reading. Unit-tested without vLLM.
+CONNECTOR_PURE = tuple(
+    f"daemon.client.vllm.{part}" for part in ("shares", "loads", "params", "specs", "layout")
 )
+# The most lines a module of the connector may have: each owns one thing.
+CONNECTOR_MODULE_LINES = 500
 
 
 @dataclass(frozen=True)
 class Rule:
-    """Modules matching ``sources`` may reach only names that ``allowed`` accepts."""
+    """Modules matching ``sources`` may reach only names that ``allowed`` accepts.
+
+    ``through``: modules reached but not followed (their imports are not the
+    source's).
+    """
 
     name: str
     says: str
     sources: Callable[[str], bool]
     allowed: Callable[[str], bool]
+    through: tuple[str, ...] = ()
 
 
 def _client_may_use(name: str) -> bool:
@@ -81,20 +88,35 @@ RULES = (
         "client",
         "daemon/client/ imports only schemas, daemon.framing, msgspec and the standard library"
         " (and uvloop if installed)",
-        lambda m: is_under(m, ("daemon.client",)) and m not in CONNECTOR,
+        lambda m: is_under(m, ("daemon.client",)) and not is_under(m, CONNECTOR),
         _client_may_use,
     ),
     Rule(
         "vllm-connector",
-        "daemon/client/vllm*.py (loaded inside vLLM) import what the client may, plus vllm,"
+        "daemon/client/vllm/ (loaded inside vLLM) imports what the client may, plus vllm,"
         " torch, the pure core (the fingerprint rule, the rank map) and the failpoints (the"
         " negative control's planted mis-mapping): never the runtime, the data plane or nixl",
-        lambda m: m in CONNECTOR,
+        lambda m: is_under(m, CONNECTOR),
         lambda n: (
             _client_may_use(n)
             or n == "daemon.failpoints"
             or is_under(n, ("vllm", "torch", "statemachine"))
         ),
+    ),
+    Rule(
+        "connector-pure",
+        "the connector's pure parts (shares, loads, params, specs, layout) reach neither"
+        " vllm, torch, nixl, an event loop nor a thread. Importing them runs the packages'"
+        " __init__s, which are not followed: daemon/client/'s exports the clients, and"
+        " daemon/client/vllm/'s the connector, on first use only",
+        lambda m: m in CONNECTOR_PURE,
+        lambda n: (
+            not (
+                is_under(n, ("vllm", "torch", "nixl", "asyncio", "threading", "uvloop"))
+                or n == DYNAMIC
+            )
+        ),
+        through=("daemon.client", *CONNECTOR),
     ),
     Rule(
         "postmortem-ops",
@@ -121,10 +143,9 @@ RULES = (
     ),
     Rule(
         "vllm-apart",
-        "nothing in the package imports vllm but the connector vLLM loads (daemon/client/vllm.py,"
-        " its stats, vllm_stats.py, and its block hashes, vllm_hashes.py); tests_vllm/ and"
-        " daemon/sim/vllm_servers.py run vLLM as a process",
-        lambda m: is_under(m, PACKAGE) and m not in CONNECTOR,
+        "nothing in the package imports vllm but the connector vLLM loads (daemon/client/vllm/);"
+        " tests_vllm/ and daemon/sim/vllm_servers.py run vLLM as a process",
+        lambda m: is_under(m, PACKAGE) and not is_under(m, CONNECTOR),
         lambda n: not is_under(n, ("vllm",)),
     ),
     Rule(
@@ -151,7 +172,7 @@ RULES = (
 def violations(graph: ImportGraph, rule: Rule) -> list[str]:
     found = []
     for module in sorted(m for m in graph.modules if rule.sources(m)):
-        for name, chain in graph.reach(module).items():
+        for name, chain in graph.reach(module, through=rule.through).items():
             if not rule.allowed(name):
                 found.append(chain_text(chain))
     return sorted(found)
@@ -260,10 +281,22 @@ BROKEN: dict[str, tuple[dict[str, str], list[str]]] = {
     ),
     "vllm-connector": (
         {
-            "daemon.client.vllm": "import torch\nimport vllm\nfrom daemon.node import ledger\n",
+            "daemon.client.vllm.worker": "import torch\nimport vllm\nfrom daemon.node import x\n",
             "daemon.client.engine_client": "from daemon.framing import x\n",
         },
-        ["daemon.client.vllm:3 -> daemon.node"],
+        ["daemon.client.vllm.worker:3 -> daemon.node"],
+    ),
+    "connector-pure": (
+        {
+            "daemon.client.vllm.__init__": "def __getattr__(n):\n    from . import connector\n",
+            "daemon.client.vllm.connector": "import vllm\n",  # allowed: not followed
+            "daemon.client.vllm.shares": "from daemon.client.vllm.specs import PushSpec\n",
+            "daemon.client.vllm.specs": "import torch\n",
+        },
+        [
+            "daemon.client.vllm.shares:1 -> daemon.client.vllm.specs:1 -> torch",
+            "daemon.client.vllm.specs:1 -> torch",
+        ],
     ),
     "postmortem-ops": (
         {
@@ -304,7 +337,7 @@ BROKEN: dict[str, tuple[dict[str, str], list[str]]] = {
         {
             "daemon.sim.vllm_servers": "from daemon.sim import tinyllama\n",
             "daemon.sim.tinyllama": "import torch\nimport vllm.config\n",
-            "daemon.client.vllm": "from vllm.distributed import kv_transfer\n",  # allowed
+            "daemon.client.vllm.link": "from vllm.distributed import kv_transfer\n",  # allowed
         },
         [
             "daemon.sim.tinyllama:2 -> vllm",
@@ -399,3 +432,38 @@ def test_scanner_resolves_relative_submodule_parent_and_dynamic_imports() -> Non
     reached = graph.reach("pkg.sub")
     assert {"os.path", "os", DYNAMIC, "pkg.sub.sibling"} <= set(reached)
     assert chain_text(reached["os.path"]) == "pkg.sub:2 -> pkg.other:2 -> os.path"
+
+
+# ------------------------------------------------ the connector's small parts
+
+
+def connector_module_problems(sources: dict[str, str]) -> list[str]:
+    """Modules of the connector over CONNECTOR_MODULE_LINES lines, or whose opening
+    docstring does not say what they own."""
+    found = []
+    for name, text in sorted(sources.items()):
+        lines = len(text.splitlines())
+        if lines > CONNECTOR_MODULE_LINES:
+            found.append(f"{name}: {lines} lines")
+        if not (ast.get_docstring(ast.parse(text)) or "").strip():
+            found.append(f"{name}: no docstring")
+    return found
+
+
+def test_the_connector_is_a_package_of_small_parts_that_say_what_they_own() -> None:
+    folder = REPO / "daemon" / "client" / "vllm"
+    sources = {path.name: path.read_text() for path in folder.glob("*.py")}
+    assert {"connector.py", "scheduler.py", "worker.py", "link.py", "shares.py"} <= set(sources)
+    assert connector_module_problems(sources) == []
+
+
+def test_a_large_or_unexplained_connector_module_is_reported() -> None:
+    planted = {
+        "big.py": '"""Owns too much."""\n' + "x = 1\n" * CONNECTOR_MODULE_LINES,
+        "bare.py": "x = 1\n",
+        "fine.py": '"""Owns one thing."""\n',
+    }
+    assert connector_module_problems(planted) == [
+        "bare.py: no docstring",
+        f"big.py: {CONNECTOR_MODULE_LINES + 1} lines",
+    ]

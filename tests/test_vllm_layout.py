@@ -1,6 +1,6 @@
 """KvpushdConnector's start-up guard, on config objects shaped like vLLM's.
 
-``daemon.client.vllm_layout`` reads vLLM's config by attribute and never
+``daemon.client.vllm.layout`` reads vLLM's config by attribute and never
 imports vLLM, so its rules are pinned here without it; tests_vllm/
 test_parallel_guard.py pins the same refusal on a real TP 2 vLLM.
 """
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
-from daemon.client.vllm_layout import (
+from daemon.client.vllm.layout import (
     SINGLE_RANK_SETTINGS,
     UnsupportedLayout,
     check_supported,

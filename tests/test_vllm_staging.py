@@ -1,6 +1,6 @@
 """Host staging's mirror and its batched block copies, on CPU tensors shaped like vLLM's.
 
-daemon/client/vllm_staging.py never imports vLLM, so its rules are pinned
+daemon/client/vllm/staging.py never imports vLLM, so its rules are pinned
 here without it: the mirror holds each storage vLLM's layers view at the
 same offsets (so a block id names the same block in both), copies move
 exactly the blocks asked for in both directions, and the modes are chosen
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.client.vllm_staging import (
+from daemon.client.vllm.staging import (
     AUTO,
     GATHER,
     HOST,
@@ -190,7 +190,7 @@ def test_a_cpu_cache_copies_runs_unless_told_and_an_unknown_mode_is_refused(
 def test_a_gather_moves_its_blocks_in_chunks_of_bounded_size(
     make_staging, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import daemon.client.vllm_staging as staging_module
+    import daemon.client.vllm.staging as staging_module
 
     # Two blocks a chunk: a scattered step of five blocks takes three gathers
     # per layer, and every block still lands, and only those.

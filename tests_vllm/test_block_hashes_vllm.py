@@ -1,7 +1,7 @@
 """Block hashes computed by vLLM's own functions, paired by two real daemons.
 
 The connector names each block with vLLM's prefix-cache block hash
-(daemon/client/vllm_hashes.py, over real ``vllm.v1.request.Request``
+(daemon/client/vllm/hashes.py, over real ``vllm.v1.request.Request``
 objects here), so what vLLM's prefix cache tells apart, the pairing does
 too: a LoRA adapter on one leg and not the other (or another adapter),
 other prompt embeddings behind the same placeholder ids, another cache
@@ -25,7 +25,7 @@ from vllm import SamplingParams
 from vllm.lora.request import LoRARequest
 from vllm.v1.request import Request
 
-from daemon.client.vllm_hashes import block_hashes, content, prompt_block_count
+from daemon.client.vllm.hashes import block_hashes, content, prompt_block_count
 from daemon.sim.engine import Expectation, SimEngine, SimGroup, tail_pairs
 from daemon.sim.launcher import Daemon, start_pair, wait_idle
 from schemas import rpc

@@ -46,7 +46,7 @@ PD = tuple[VllmServer, VllmServer, Daemon, Daemon]
 
 @pytest.fixture(scope="module")
 def pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
-    # Host staging on both sides (daemon/client/vllm_staging.py): vLLM's
+    # Host staging on both sides (daemon/client/vllm/staging.py): vLLM's
     # cache is its own, the daemons see mirrors; every test of this module
     # proves the staging's bookkeeping too. The other modules map vLLM's
     # cache itself (kv_buffer "shared", the CPU default).

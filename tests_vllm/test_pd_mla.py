@@ -1,7 +1,7 @@
 """An MLA model (a tiny DeepSeek-V2) through kvpushd, at TP 2 -> 1 and 1 -> 2.
 
 MLA caches one latent per token (512 + 64 floats), the same on every TP
-rank: one replicated "head" (daemon/client/vllm_layout.py ``kv_heads``), so
+rank: one replicated "head" (daemon/client/vllm/layout.py ``kv_heads``), so
 each decode rank is fed by exactly one prefill rank. TP 2 -> 1: prefill
 rank 0 writes the decode's blocks, rank 1's replica is forgone (its push
 ends at once, nothing written). TP 1 -> 2 (the router names the decode's TP

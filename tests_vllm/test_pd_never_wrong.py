@@ -1,7 +1,7 @@
 """Never wrong by construction, on real vLLM: blocks paired by their content hashes.
 
 Each case here served wrong tokens, leaked blocks or was never refused
-before block hashes (daemon/client/vllm_hashes.py, statemachine/content.py):
+before block hashes (daemon/client/vllm/hashes.py, statemachine/content.py):
 
 - a prefill leg run with ``max_tokens`` above 1 computed a token past the
   prompt; at a prompt length that fills its last block the prefill pushed a

@@ -113,13 +113,15 @@ class ImportGraph:
     def imports(self, name: str) -> list[Edge]:
         return self.edges.get(name, [])
 
-    def reach(self, start: str) -> dict[str, list[Edge]]:
+    def reach(self, start: str, through: Iterable[str] = ()) -> dict[str, list[Edge]]:
         """Every name ``start`` imports, directly or through modules of the graph.
 
         Maps each reached name (a module of the graph, a third-party or
         standard module, or DYNAMIC) to the chain of imports that first
-        reached it. Names outside the graph are not followed.
+        reached it. Names outside the graph, and those in ``through``
+        (reached, but their imports are not followed), are not followed.
         """
+        stop = set(through)
         chains: dict[str, list[Edge]] = {start: []}
         queue = [start]
         while queue:
@@ -128,7 +130,7 @@ class ImportGraph:
                 if edge.target in chains or edge.target == "__future__":
                     continue
                 chains[edge.target] = [*chains[current], edge]
-                if edge.target in self.modules:
+                if edge.target in self.modules and edge.target not in stop:
                     queue.append(edge.target)
         del chains[start]
         return chains

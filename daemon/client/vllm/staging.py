@@ -29,7 +29,7 @@ once, and the copy's cost is the staging's whole cost.
 :func:`block_major` also serves the shared mode: it finds the block dimension
 of vLLM's layer tensors for both.
 
-This module imports torch and never vLLM (daemon/client/vllm.py drives it).
+This module imports torch and never vLLM (daemon/client/vllm/worker.py drives it).
 """
 
 from __future__ import annotations

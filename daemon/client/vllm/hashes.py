@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Final
 
-from daemon.client.vllm_layout import NULL_BLOCK, Blocks
+from daemon.client.vllm.layout import NULL_BLOCK, Blocks
 from statemachine.content import HASH_HEX, GroupHashes, encode
 
 # The chain's seed: the parent of every prompt's first block, the same in
@@ -111,7 +111,7 @@ def _kinds(states: Sequence[bool], groups: int) -> Sequence[bool]:
 def _state_block(ids: Sequence[int]) -> Named:
     """A state group's one block to move: its last non-null one (vLLM's running state).
 
-    In mamba_cache_mode "none" (the one vllm_layout.check_supported lets
+    In mamba_cache_mode "none" (the one client.vllm.layout.check_supported lets
     through) a request holds exactly one; its position names no token.
     """
     held = [b for b in ids if b != NULL_BLOCK]

@@ -11,7 +11,7 @@ never imports vLLM, so it is tested without it):
   that a router that changed the prompt between the legs gets a local
   prefill, never another prompt's KV.
 - :func:`group_windows`, :func:`window_gap`: a hybrid model's groups'
-  windows (vllm_hashes.prompt_blocks moves a sliding-window group's blocks
+  windows (client.vllm.hashes.prompt_blocks moves a sliding-window group's blocks
   inside its window only), and which prompts a decode cannot load (a window
   the prefill no longer holds whole).
 - :func:`fingerprint`: what produced this instance's KV. The worker

@@ -1,0 +1,23 @@
+"""What the scheduler side hands the worker side each step (vLLM carries it to every worker)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from daemon.client.vllm.specs import PushSpec, ReceiveSpec
+
+
+@dataclass
+class KvpushdConnectorMetadata(KVConnectorMetadata):
+    push: list[PushSpec] = field(default_factory=list)
+    receive: list[ReceiveSpec] = field(default_factory=list)
+    # Decode requests vLLM finished (aborted) while their KV was loading.
+    abort: list[str] = field(default_factory=list)
+    # Decode requests vLLM finished before giving them blocks: nothing loads.
+    forgo: list[ReceiveSpec] = field(default_factory=list)
+    # Decode requests still queued for blocks: the prefill's push must wait.
+    hold: list[ReceiveSpec] = field(default_factory=list)
+    # Prefill requests a router named a transfer for that push nothing.
+    unpushed: list[PushSpec] = field(default_factory=list)
