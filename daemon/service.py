@@ -14,7 +14,7 @@ from daemon.affinity import pin
 from daemon.dataplane.errors import DataPlaneError
 from daemon.journal.format import JournalCorrupt, JournalFatal, JournalLocked
 from daemon.journal.replay import ReplayError
-from daemon.node.engine_server import EngineServer
+from daemon.node.engine_server import EngineApp, EngineServer, Identity
 from daemon.node.peerauth import SecretFileError, load_secret
 from daemon.node.peerlink import PeerManager
 from daemon.node.runtime import Node
@@ -58,18 +58,17 @@ async def _status_updates(notifier: Notifier, node: Node) -> None:
 # --- metrics hook-up (daemon/node/metrics.py) ---------------------------------
 
 
-def _attach_metrics(config: Config, node: Node) -> NodeMetrics | None:
-    """Observe the node from before start(), so replay-time events count too."""
+def _metrics(config: Config, node: Node) -> NodeMetrics | None:
+    """The metrics, if configured; they observe the ledger from before begin() on."""
     if not config.metrics_port:
         return None
     from daemon.node.metrics import NodeMetrics  # only daemons with metrics need prometheus_client
 
-    metrics = NodeMetrics(status=node.status, live=lambda: node.registry.live.values())
-    node.observers.append(metrics.observe)
-    return metrics
+    return NodeMetrics(status=node.status, live=lambda: node.registry.live.values())
 
 
 async def _serve_metrics(metrics: NodeMetrics, node: Node, port: int) -> int:
+    node.ledger.observers.append(metrics.observe)
     metrics.hook_group_commit(node.group)
     bound = await metrics.start(port)
     node.metrics_port = bound
@@ -93,6 +92,7 @@ def _secret(config: Config) -> bytes:
 
 
 def _peer_manager(config: Config, node: Node, secret: bytes) -> PeerManager | None:
+    """The peer links, wired straight to the node's parts (so built once the node is open)."""
     # A node that neither listens nor lists peers may still dial on demand.
     dials_on_demand = config.on_demand_peers and bool(config.secret_file)
     if not (config.listen or config.peers or dials_on_demand):
@@ -108,17 +108,17 @@ def _peer_manager(config: Config, node: Node, secret: bytes) -> PeerManager | No
         secret,
         config.listen,
         config.peers,
-        hello=node.hello,
-        on_up=node.on_peer_up,
-        on_message=node.on_peer_message,
-        on_down=node.on_peer_down,
+        hello=node.windows.hello,
+        on_up=node.peers.on_up,
+        on_message=node.peers.on_message,
+        on_down=node.peers.on_down,
         heartbeat_s=config.heartbeat_s,
         peer_ttl_s=config.peer_ttl_s,
         max_frame_bytes=config.limits.max_frame_bytes,
         accept_unlisted=config.on_demand_peers,
         connect_timeout_s=config.peer_connect_timeout_s,
         idle_close_s=config.peer_idle_close_s,
-        in_use=node.peer_in_use,
+        in_use=node.peers.in_use,
     )
 
 
@@ -172,13 +172,16 @@ async def _startup(
     secret = _secret(config)
     server = EngineServer(
         config.socket,
-        node,
+        Identity(config.node, node.boot_id),
         max_frame_bytes=config.limits.max_frame_bytes,
         allowed_uids=config.allowed_uids,
         allowed_gids=tuple(int(g) for g in config.allowed_groups or ()),
     )
     await server.bind()
     stack.callback(server.release)
+    metrics = _metrics(config, node)
+    stack.push_async_callback(node.close)
+    await _open_node(node)
     peers = _peer_manager(config, node, secret)
     if peers is not None:
         try:
@@ -188,9 +191,6 @@ async def _startup(
                 "peer listen address", config.listen, exc, "free it, or set listen"
             ) from exc
         stack.push_async_callback(peers.close)
-    metrics = _attach_metrics(config, node)
-    stack.push_async_callback(node.close)
-    await _open_node(node)
     if metrics is not None:
         try:
             # Before the engine socket opens, so every status reply has the port.
@@ -220,7 +220,14 @@ async def serve(config: Config, notifier: Notifier | None = None) -> int:
         if peers is not None:
             node.attach_peers(peers)
             await peers.start()
-        await server.start()
+        await server.start(
+            EngineApp(
+                calls=node.calls,
+                status=node.status,
+                disconnected=node.engines.disconnected,
+                failed=lambda: node.fatal is not None,
+            )
+        )
 
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):

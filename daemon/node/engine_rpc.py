@@ -12,14 +12,13 @@ hears of it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from daemon.journal.format import MAX_RECORD_BYTES, JournalFatal
-from daemon.node.engine_server import Handler
 from daemon.node.engine_state import EngineSession
 from daemon.node.engines import Engines
 from daemon.node.integrity import Integrity
@@ -39,6 +38,8 @@ from statemachine import Refusal
 from statemachine.reactions import Cause, Stimulus, react
 
 PUSHER, RECEIVER = Role.PUSHER, Role.RECEIVER
+# An engine call's handler: the engine server calls it with the connection it came on.
+Handler = Callable[[EngineSession, Any], Awaitable[rpc.Reply]]
 # Room for a record's envelope (version, node, seq, time) or a Forward's other
 # fields around a registration's blocks.
 _RECORD_HEADROOM = 4096

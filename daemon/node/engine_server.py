@@ -15,6 +15,7 @@ import os
 import socket
 import struct
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,7 +29,6 @@ from daemon.node.serializer import KeyedSerializer
 from daemon.node.socketclaim import SocketClaim
 from daemon.version import VERSION
 from schemas import rpc
-from schemas.config import Config
 from schemas.status import StatusDocument
 from statemachine import Refusal
 
@@ -154,37 +154,42 @@ class EngineCalls(Protocol):
     async def record_refusal(self, request: Any, refusal: Refusal) -> bool: ...
 
 
-class EngineApi(Protocol):
-    """What the server needs from the node behind it (daemon/node/runtime.py ``Node``).
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who answers: the node's name and this process's boot id (in every HelloOk)."""
 
-    ``calls`` serves the engine calls; it is read when the server starts
-    serving, once the node is open.
-    """
-
-    config: Config
-    fatal: BaseException | None
+    node: str
     boot_id: str
 
-    @property
-    def calls(self) -> EngineCalls: ...
 
-    def engine_disconnected(self, session: Session) -> None: ...
+@dataclass(frozen=True, slots=True)
+class EngineApp:
+    """What the server serves, handed to it when serving starts (the node is open by then).
 
-    def status(self) -> StatusDocument: ...
+    ``calls`` serves the engine calls; ``status`` answers Status;
+    ``disconnected`` hears of every connection that ends; ``failed`` says
+    whether the journal failed (every call is then refused).
+    """
+
+    calls: EngineCalls
+    status: Callable[[], StatusDocument]
+    disconnected: Callable[[Session], None]
+    failed: Callable[[], bool]
 
 
 class EngineServer:
     def __init__(
         self,
         path: str,
-        node: EngineApi,
+        identity: Identity,
         *,
         max_frame_bytes: int,
         allowed_uids: tuple[int, ...] = (),
         allowed_gids: tuple[int, ...] = (),
     ) -> None:
         self.path = Path(path)
-        self.node = node
+        self.identity = identity
+        self._app: EngineApp | None = None
         self.max_frame_bytes = max_frame_bytes
         self.allowed_uids = set(allowed_uids) or {os.getuid(), 0}
         self.allowed_gids = set(allowed_gids)
@@ -192,9 +197,15 @@ class EngineServer:
         self._server: asyncio.AbstractServer | None = None
         self._claim: SocketClaim | None = None
         self._decoder = msgspec.msgpack.Decoder(rpc.Request)
-        # The node's calls join these two when serving starts (start()).
+        # The application's calls join these two when serving starts (start()).
         self._handlers: dict[type, Handler] = {rpc.Hello: self._hello, rpc.Status: self._status}
         self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def app(self) -> EngineApp:
+        """The application (connections are served only once start() handed it over)."""
+        assert self._app is not None
+        return self._app
 
     async def bind(self) -> None:
         """Claim the socket path and listen, without accepting yet.
@@ -218,8 +229,9 @@ class EngineServer:
             self._claim = None
             raise
 
-    async def start(self) -> None:
-        self._handlers.update(self.node.calls.handlers())
+    async def start(self, app: EngineApp) -> None:
+        self._app = app
+        self._handlers.update(app.calls.handlers())
         await self.bind()
         assert self._server is not None
         await self._server.start_serving()
@@ -263,7 +275,7 @@ class EngineServer:
         pid, uid, gid = peer_credentials(sock)
         groups = peer_groups(sock) if self.allowed_gids else ()
         session = Session(writer, pid, uid, gid)
-        clog = log.bind(node=self.node.config.node, peer_pid=pid, peer_uid=uid)
+        clog = log.bind(node=self.identity.node, peer_pid=pid, peer_uid=uid)
         try:
             if not self._allowed(uid, gid, groups):
                 clog.warning("engine connection refused: credentials not allowed", gid=gid)
@@ -288,7 +300,7 @@ class EngineServer:
             pass
         finally:
             self.sessions.discard(session)
-            self.node.engine_disconnected(session)
+            self.app.disconnected(session)
             session.close()
             self._tasks.discard(task)
 
@@ -356,7 +368,7 @@ class EngineServer:
         session.requests.submit_many(self._run_batch(session, batch, clog), keys)
 
     async def _run_batch(self, session: Session, batch: rpc.Batch, clog: Any) -> None:
-        calls = self.node.calls
+        calls = self.app.calls
         admitted = []
         for op in batch.ops:
             if calls.waits_first(op):
@@ -373,7 +385,7 @@ class EngineServer:
 
     def _admit(self, session: Session, op: rpc.BatchOp, clog: Any) -> Any:
         """Admission, or (refusal, its Refused record's commit), or the error reply."""
-        calls = self.node.calls
+        calls = self.app.calls
         try:
             return calls.admit(session, op)
         except Refusal as refusal:
@@ -426,7 +438,7 @@ class EngineServer:
         except Refusal as refusal:
             # Journaled (durably, before the engine hears of it) so that a
             # postmortem sees every refusal in order, not only the engine.
-            if not await self.node.calls.record_refusal(request, refusal):
+            if not await self.app.calls.record_refusal(request, refusal):
                 return rpc.Error(request.id, rpc.SHUTTING_DOWN, "the journal failed")
             return rpc.Error(request.id, refusal.reason.value, refusal.message)
         except Exception as exc:
@@ -435,7 +447,7 @@ class EngineServer:
     def _error(self, request: Any, exc: Exception, clog: Any) -> rpc.Error:
         if isinstance(exc, RegionError):
             return rpc.Error(request.id, exc.code or rpc.BAD_REGION, str(exc))
-        if self.node.fatal is not None:
+        if self.app.failed():
             return rpc.Error(request.id, rpc.SHUTTING_DOWN, "the journal failed")
         clog.exception("request failed", op=type(request).__name__)
         return rpc.Error(request.id, rpc.INTERNAL, f"{type(exc).__name__}: {exc}")
@@ -450,10 +462,11 @@ class EngineServer:
             )
         # The client's own version: the one this connection speaks from now on.
         session.protocol = req.protocol
-        return rpc.HelloOk(req.id, self.node.config.node, req.protocol, VERSION, self.node.boot_id)
+        me = self.identity
+        return rpc.HelloOk(req.id, me.node, req.protocol, VERSION, me.boot_id)
 
     async def _status(self, session: Session, req: rpc.Status) -> rpc.Reply:
-        return rpc.StatusReply(req.id, self.node.status())
+        return rpc.StatusReply(req.id, self.app.status())
 
 
 async def _close_refused(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

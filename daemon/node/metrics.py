@@ -1,7 +1,7 @@
 """Prometheus metrics for one node, served as text on a local port.
 
-Everything event-shaped is fed from ``Node.observers``: the callback runs
-right after an event is applied and appended, so the counters and histograms
+Everything event-shaped is fed from the ledger's observers (``Ledger.observers``):
+the callback runs right after an event is applied and appended, so the counters and histograms
 here describe exactly what was journaled (a refusal that never reached the
 journal is not counted). Everything state-shaped (live requests per state,
 peers, journal position) is read from the node when scraped, by
@@ -183,7 +183,7 @@ class NodeMetrics:
     # ------------------------------------------------------------ feeding
 
     def observe(self, event: Event, touched: object, ts: float) -> None:
-        """``Node.observers`` callback: one journaled event."""
+        """A ``Ledger.observers`` callback: one journaled event."""
         # The record is already journaled and applied: a bug here must not
         # turn into a failed engine call, so it is logged and counted.
         try:

@@ -26,7 +26,6 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 import structlog
 
@@ -38,7 +37,7 @@ from daemon.journal.writer import Journal
 from daemon.node.counters import RefusalCounter, merged
 from daemon.node.deadlines import Deadlines
 from daemon.node.engine_rpc import EngineRpc
-from daemon.node.engine_state import EngineSession, EngineState
+from daemon.node.engine_state import EngineState
 from daemon.node.engines import Engines
 from daemon.node.integrity import Integrity
 from daemon.node.ledger import Carriers, Ledger
@@ -51,17 +50,14 @@ from daemon.node.tasks import Tasks
 from daemon.node.transfers import Transfers
 from daemon.node.windows import Windows
 from daemon.version import VERSION
-from schemas import peer as pm
 from schemas.config import Config
-from schemas.events import DaemonStarted, Event, Released
+from schemas.events import DaemonStarted, Released
 from schemas.reasons import Reason
 from schemas.status import StatusDocument
 from statemachine import Registry
 from statemachine.reactions import Cause, Stimulus, Why, react, react_pending
 
 log = structlog.get_logger("kvpushd.node")
-
-Observer = Callable[[Event, object, float], None]
 
 
 class Node:
@@ -94,8 +90,6 @@ class Node:
         self.stopping = False
         self.started_at = clock()
         self.on_fatal: Callable[[BaseException], None] = lambda exc: None
-        # Metrics and tests watch every journaled event: (event, record touched, ts).
-        self.observers: list[Observer] = []
         # The port the service serves metrics on, for status(); None without metrics.
         self.metrics_port: int | None = None
 
@@ -171,7 +165,12 @@ class Node:
         engines: dict[str, EngineState] = {}
         agents: dict[str, PeerState] = {}
         self.windows = Windows(
-            node=cfg.node, dataplane=self.dataplane, port=port, engines=engines, closing=closing
+            node=cfg.node,
+            dataplane=self.dataplane,
+            port=port,
+            engines=engines,
+            closing=closing,
+            boot_id=self.boot_id,
         )
         self.engines = Engines(
             node=cfg.node,
@@ -237,7 +236,6 @@ class Node:
                 self.transfers.observe,
                 self.integrity.observe,
                 self.refusals.observe,
-                self._observe,
                 self.deadlines.observe,
             )
         )
@@ -259,10 +257,6 @@ class Node:
                 ledger.commit([self.registry.check_detach(engine_id)])
         await self.group.durable(self.journal.next_seq - 1)
         self.tasks.spawn(self.deadlines.run())
-
-    def _observe(self, event: Event, touched: object, ts: float) -> None:
-        for observe in self.observers:
-            observe(event, touched, ts)
 
     def attach_peers(self, manager: PeerManager) -> None:
         self.port.attach(manager)
@@ -317,10 +311,7 @@ class Node:
         self.log.debug("journal write failed; stopping", error=str(exc))
         self.on_fatal(exc)
 
-    # ----------------------------------------------------- for the engine server
-
-    def engine_disconnected(self, session: EngineSession) -> None:
-        self.engines.disconnected(session)
+    # ------------------------------------------------ for the service's servers
 
     def status(self) -> StatusDocument:
         return status_document(
@@ -341,28 +332,5 @@ class Node:
             metrics_port=self.metrics_port,
         )
 
-    # ------------------------------------------------- the peer links' calls
-
-    def hello(self, peer: str) -> pm.Hello:
-        return pm.Hello(
-            node=self.config.node,
-            boot_id=self.boot_id,
-            agent_name=self.dataplane.agent_name,
-            agent_metadata=self.windows.metadata,
-            engines=self.windows.view(peer),
-        )
-
     async def load_metadata(self) -> None:
         await self.windows.load_metadata()
-
-    def on_peer_up(self, node: str, hello: pm.Hello, link: Any) -> None:
-        self.peers.on_up(node, hello, link)
-
-    def on_peer_down(self, node: str, reason: str) -> None:
-        self.peers.on_down(node, reason)
-
-    def on_peer_message(self, node: str, message: Any) -> None:
-        self.peers.on_message(node, message)
-
-    def peer_in_use(self, node: str) -> bool:
-        return self.peers.in_use(node)

@@ -42,8 +42,10 @@ class Windows:
         port: PeerPort,
         engines: Mapping[str, EngineState],
         closing: Callable[[], bool],
+        boot_id: str = "",
     ) -> None:
         self._node = node
+        self._boot_id = boot_id
         self._dataplane = dataplane
         self._port = port
         self._engines = engines
@@ -72,6 +74,16 @@ class Windows:
     def lacks(self, peer: str) -> bool:
         """Whether some registered engine has no window for ``peer`` yet."""
         return any(peer not in self._open.get(e, {}) for e in self._engines)
+
+    def hello(self, peer: str) -> pm.Hello:
+        """What this node says first on a link to ``peer``: who it is, and the windows it opened."""
+        return pm.Hello(
+            node=self._node,
+            boot_id=self._boot_id,
+            agent_name=self._dataplane.agent_name,
+            agent_metadata=self.metadata,
+            engines=self.view(peer),
+        )
 
     def view(self, peer: str) -> tuple[RemoteEngine, ...]:
         # Never the engines' own mapping: a peer only learns its windows.
