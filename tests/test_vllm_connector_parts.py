@@ -59,12 +59,16 @@ def _plan(
     return plan
 
 
-def _engine(plan: RankPlan, engine_id: str) -> tuple[tuple[int, int], int]:
-    """(The KV heads an engine names, its bytes per block)."""
-    if engine_id == plan.engine_id:
+def _engine(plan: RankPlan, spec: PushSpec | ReceiveSpec) -> tuple[tuple[int, int], int]:
+    """(The KV heads a spec's engine names, its bytes per block), from what the spec carries.
+
+    A spec on a slice carries the slice (what the link's loop thread registers).
+    """
+    if spec.engine_id == plan.engine_id:
+        assert spec.slice is None
         return plan.own.kv_head_range, plan.groups[0].block_bytes
-    groups, slice_print = plan.slices[engine_id]
-    return slice_print.kv_head_range, groups[0].block_bytes
+    assert spec.slice is not None and spec.slice == plan.slices[spec.engine_id]
+    return spec.slice.fingerprint.kv_head_range, spec.slice.groups[0].block_bytes
 
 
 PAIRS = st.tuples(
@@ -84,7 +88,7 @@ def _pushed_and_loaded(
         for share in plan.shares(PushSpec("r", "T", ((1, 2),), split_tp=by_tp)):
             assert share.engine_id, share
             assert share.transfer_id not in pushed, "two prefill ranks push one share"
-            pushed[share.transfer_id] = _engine(plan, share.engine_id)
+            pushed[share.transfer_id] = _engine(plan, share)
     params = prefill_answer("T", "p", "h:1", msgspec.to_builtins(prefill), (by_tp, 1), 5, "d")
     loaded: dict[str, tuple[tuple[int, int], int]] = {}
     for rank in range(decode_tp):
@@ -94,7 +98,7 @@ def _pushed_and_loaded(
         shares += plan.unread(receive)
         for share in shares:
             assert share.transfer_id not in loaded, "two decode ranks load one share"
-            loaded[share.transfer_id] = _engine(plan, share.engine_id)
+            loaded[share.transfer_id] = _engine(plan, share)
     return pushed, loaded
 
 

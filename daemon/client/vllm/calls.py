@@ -50,8 +50,6 @@ UNTIL_ANSWERED: Final = math.inf
 class DaemonCalls:
     """One engine's calls to its daemon (the link's ``Session``).
 
-    ``slices``: the slice engines the worker named (vLLM's thread adds to
-    it; each is registered here when first used and on every connection).
     ``still_ours``: whether vLLM still waits on a transfer (vLLM's thread's
     bookkeeping, read here before a lost registration is asked again).
     """
@@ -61,18 +59,19 @@ class DaemonCalls:
         socket_path: str,
         engine_id: str,
         fingerprint: Fingerprint,
-        slices: Slices,
         events: queue.SimpleQueue[WorkerEvent],
         still_ours: Callable[[str], bool],
     ) -> None:
         self._engine_id = engine_id
         self._fingerprint = fingerprint
-        self._slices = slices
         self._events = events
         self._still_ours = still_ours
         # The engine's memory, once vLLM registered it.
         self._groups: tuple[GroupSpec, ...] = ()
         self._region: RegionSpec | None = None
+        # The slice engines the specs named: registered when first used, and
+        # again on every new connection.
+        self._slices: Slices = {}
         self._slices_registered: set[str] = set()  # on the current connection
         self._slice_lock = asyncio.Lock()
         # Transfers registered on the current connection.
@@ -173,7 +172,7 @@ class DaemonCalls:
         answered = self._registering[receive.transfer_id] = asyncio.Event()
         try:
             self._posted.add(receive.transfer_id)
-            await self._engine_ready(receive.engine_id)
+            await self._engine_ready(receive)
             await self._register_receiver(receive, generation)
         except (RpcError, RuntimeError) as exc:
             # Never registered: no write can target these blocks. The load
@@ -196,7 +195,7 @@ class DaemonCalls:
         released at once (``on_event``).
         """
         with contextlib.suppress(ClientError, RuntimeError):  # the deadline ends it instead
-            await self._engine_ready(receive.engine_id)
+            await self._engine_ready(receive)
             await self._register_receiver(receive, generation)
 
     async def announce(self, share: PushSpec) -> None:
@@ -238,7 +237,7 @@ class DaemonCalls:
                     await self._register_pusher(spec, client)
                 await client.kv_ready(transfer_id, timeout=UNTIL_ANSWERED)
             else:
-                await self._engine_ready(spec.engine_id)
+                await self._engine_ready(spec)
                 await self._register_receiver(spec, self.link.generation)
         except RpcError as exc:
             if exc.code == Reason.STALE_INCARNATION:
@@ -270,10 +269,13 @@ class DaemonCalls:
 
     # registrations ---------------------------------------------------------
 
-    async def _engine_ready(self, engine_id: str) -> None:
-        """Make sure ``engine_id`` (this rank's, or a slice of it) is registered now."""
+    async def _engine_ready(self, spec: PushSpec | ReceiveSpec) -> None:
+        """Make sure the spec's engine (this rank's, or a slice of it) is registered now."""
+        engine_id = spec.engine_id
         if engine_id in ("", self._engine_id) or engine_id in self._slices_registered:
             return
+        if spec.slice is not None:
+            self._slices.setdefault(engine_id, spec.slice)
         async with self._slice_lock:
             if engine_id not in self._slices_registered:
                 await self._register_slice(self.link.client(), engine_id)
@@ -285,7 +287,7 @@ class DaemonCalls:
         self._slices_registered.add(slice_id)
 
     async def _register_pusher(self, push: PushSpec, client: EngineClient) -> None:
-        await self._engine_ready(push.engine_id)
+        await self._engine_ready(push)
         await client.register_request(
             push.engine_id or self._engine_id,
             push.transfer_id,

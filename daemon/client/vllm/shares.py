@@ -6,8 +6,9 @@ Where a prefill rank's KV fills only part of a decode rank's blocks (more
 prefill ranks or stages than the decode's), the share lies on a *slice*:
 an engine registered over the same memory that holds only those heads and
 layers. ``RankPlan`` computes both from this rank's place and its memory's
-layout; the slices it names are kept in ``slices`` (written here on vLLM's
-thread, registered with the daemon by the link's loop thread).
+layout; the slices it names are kept in ``slices`` (vLLM's thread's), and
+each spec on a slice carries its ``SliceEngine`` to the link's loop thread,
+which registers it with the daemon.
 Pure: no vLLM, no torch, no I/O.
 """
 
@@ -17,7 +18,7 @@ import dataclasses
 from collections.abc import Callable
 
 from daemon.client.vllm.layout import slice_fingerprint
-from daemon.client.vllm.specs import PushSpec, ReceiveSpec, Source
+from daemon.client.vllm.specs import PushSpec, ReceiveSpec, SliceEngine, Source
 from schemas.fingerprint import Fingerprint
 from schemas.kvlayout import GroupSpec, LayerSpec
 from statemachine.ranks import (
@@ -33,7 +34,7 @@ from statemachine.ranks import (
 )
 
 # A slice engine's id -> its groups (over the engine's own memory) and fingerprint.
-Slices = dict[str, tuple[tuple[GroupSpec, ...], Fingerprint]]
+Slices = dict[str, SliceEngine]
 
 
 def holds_run(layer_ids: list[int], first: int, end: int) -> bool:
@@ -120,7 +121,14 @@ class RankPlan:
                 share = share_id(push.transfer_id, target.share_rank, split, stage, stages)
                 index = (target.slice_index + swap) % target.slices
                 engine_id = self._source_engine(held, index, target.slices)
-                shares.append(dataclasses.replace(push, transfer_id=share, engine_id=engine_id))
+                shares.append(
+                    dataclasses.replace(
+                        push,
+                        transfer_id=share,
+                        engine_id=engine_id,
+                        slice=self.slices.get(engine_id),
+                    )
+                )
         return shares
 
     def _source_engine(self, layers: tuple[int, int], index: int, slices: int) -> str:
@@ -187,7 +195,9 @@ class RankPlan:
         if heads.slices > 1 or layers != self.own.layer_range:
             index = (heads.slice_index + swap) % heads.slices
             engine_id = self.slice(layers, index, heads.slices)
-        return dataclasses.replace(receive, transfer_id=share, engine_id=engine_id)
+        return dataclasses.replace(
+            receive, transfer_id=share, engine_id=engine_id, slice=self.slices.get(engine_id)
+        )
 
     def unread(self, receive: ReceiveSpec) -> list[ReceiveSpec]:
         """Empty receivers for the prefill replicas nobody reads (TP above the KV heads)."""
@@ -251,7 +261,9 @@ class RankPlan:
             slice_id += f"-kvh{heads[0]}-{heads[1]}"
         if slice_id not in self.slices:
             sliced = tuple(self._slice_group(group, layers, index, slices) for group in self.groups)
-            self.slices[slice_id] = (sliced, slice_fingerprint(self.instance, heads, layers))
+            self.slices[slice_id] = SliceEngine(
+                sliced, slice_fingerprint(self.instance, heads, layers)
+            )
         return slice_id
 
     def _slice_group(

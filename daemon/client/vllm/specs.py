@@ -14,7 +14,22 @@ from typing import Any, Final, NamedTuple
 
 from daemon.client.vllm.layout import Blocks
 from schemas import rpc
+from schemas.fingerprint import Fingerprint
+from schemas.kvlayout import GroupSpec
 from statemachine.ranks import HeadSource
+
+
+class SliceEngine(NamedTuple):
+    """Head or layer slice of a rank's blocks, registered as an engine of its own.
+
+    Its groups lie over the rank's own memory; its fingerprint names the
+    heads and layers it holds. A spec on a slice carries it, so the link's
+    loop thread registers the slice from what it was handed, never from
+    vLLM's thread's bookkeeping.
+    """
+
+    groups: tuple[GroupSpec, ...]
+    fingerprint: Fingerprint
 
 
 @dataclass(frozen=True)
@@ -25,7 +40,8 @@ class PushSpec:
     decode's when this instance splits its push for a decode with more
     ranks or stages; 0: its own).
     ``engine_id``: the engine (this rank's, or a head slice of it) the
-    worker registers the pusher on; "" until the worker chose.
+    worker registers the pusher on; "" until the worker chose. ``slice``:
+    that engine, where it is a slice.
     """
 
     request_id: str
@@ -35,6 +51,7 @@ class PushSpec:
     split_pp: int = 0
     engine_id: str = ""
     content: str = ""  # the prompt's digest: the daemon pairs only equal ones
+    slice: SliceEngine | None = None
 
 
 @dataclass(frozen=True)
@@ -47,6 +64,7 @@ class ReceiveSpec:
     False: rank 0 ends every prefill rank's push (the prefill daemon refuses
     the pairing). ``engine_id``: the engine (this rank's, or a head slice of
     it) the worker registers the receiver on; "" until the worker chose.
+    ``slice``: that engine, where it is a slice.
     """
 
     request_id: str
@@ -62,6 +80,7 @@ class ReceiveSpec:
     # instance's when the prefill split its push for it (0: source_ranks).
     split_tp: int = 0
     content: str = ""  # this request's prompt digest: the daemon pairs only equal ones
+    slice: SliceEngine | None = None
 
     @property
     def shares_tp(self) -> int:

@@ -127,7 +127,6 @@ class WorkerSide:
             socket_path,
             engine_id,
             own,
-            self._plan.slices,
             self._events,
             lambda t: t in self._sending or t in self._receiving,
         )
