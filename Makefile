@@ -47,10 +47,10 @@ $(VLLM_STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/kvpushd demo $(ARGS)
 
-# The same job with a real vLLM prefill and decode pair (daemon/sim/vllm_demo.py):
+# The same job with a real vLLM prefill and decode pair (harness/vllm_demo.py):
 # builds .venv-vllm on first use (~2 min, 3.9 GB), then ~1-2 min.
 demo-vllm: $(VLLM_STAMP)
-	$(VLLM_BIN)/python -m daemon.sim.vllm_demo $(ARGS)
+	$(VLLM_BIN)/python -m harness.vllm_demo $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -44,7 +44,7 @@ from bench.daemon_bench import (
 from bench.nixl_bare import MIB
 from bench.results import load_average, machine, write_section
 from daemon.sim.hosts import UCX_TCP, Hosts
-from daemon.sim.launcher import Daemon
+from daemon.sim.launcher import Daemon, new_secret
 
 PORT = 7400
 TITLE = "Across hosts: daemon vs bare NIXL over UCX TCP"
@@ -53,6 +53,7 @@ TITLE = "Across hosts: daemon vs bare NIXL over UCX TCP"
 def start_hosts(hosts: Hosts, workdir: Path) -> tuple[Daemon, Daemon]:
     """A prefill and a decode daemon, each in its host, listing each other."""
     daemons = []
+    secret = new_secret()  # one for both: each host has its own folder
     for name, other in (("prefill", "decode"), ("decode", "prefill")):
         folder = workdir / name
         folder.mkdir()
@@ -62,6 +63,7 @@ def start_hosts(hosts: Hosts, workdir: Path) -> tuple[Daemon, Daemon]:
                 folder,
                 PORT,
                 env=dict(UCX_TCP),
+                secret=secret,
                 netns=hosts[name].netns,
                 host=hosts[name].address,
                 peer_addresses=[(other, f"{hosts[other].address}:{PORT}")],

@@ -35,10 +35,10 @@ from pathlib import Path
 
 from bench.results import write_section
 from bench.vllm_pd_bench import Prompts, paused
-from daemon.sim.tinydeepseek import write_tinydeepseek
-from daemon.sim.tinynemotron import write_tinynemotron
-from daemon.sim.vllm_router import percentile, route, single
-from daemon.sim.vllm_servers import NIXL_PULL, VllmServer, VllmServerError, kvpushd_pd, nixl_pd
+from harness.tinydeepseek import write_tinydeepseek
+from harness.tinynemotron import write_tinynemotron
+from harness.vllm_router import percentile, route, single
+from harness.vllm_servers import NIXL_PULL, VllmServer, VllmServerError, kvpushd_pd, nixl_pd
 
 ROPE = ("--compilation-config", json.dumps({"custom_ops": ["all", "-rotary_embedding"]}))
 # model -> (writer, block size, flags for every server, NixlConnector's env)

@@ -4,7 +4,7 @@
 
 One kvpushd pair (bench/vllm_pd_bench.py's setup: tiny seeded llama,
 prefill on the first core, decode on the last) answers fresh prompts one
-after another, routed as daemon/sim/vllm_router.py routes them, and each
+after another, routed as harness/vllm_router.py routes them, and each
 request's TTFT is split into:
 
 - the prefill leg: the prefill server's whole answer (one token, the KV
@@ -29,9 +29,9 @@ from pathlib import Path
 
 from bench.results import write_section
 from bench.vllm_pd_bench import Prompts
-from daemon.sim.tinyllama import write_tinyllama
-from daemon.sim.vllm_router import percentile, route, single
-from daemon.sim.vllm_servers import VllmServer, kvpushd_pd
+from harness.tinyllama import write_tinyllama
+from harness.vllm_router import percentile, route, single
+from harness.vllm_servers import VllmServer, kvpushd_pd
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import pstats
 import sys
 import tempfile
@@ -35,16 +36,22 @@ from typing import Any
 
 from bench.daemon_bench import FULL, IN_FLIGHT, DaemonSide
 from bench.results import machine, write_section
-from daemon.sim.launcher import REPO, Daemon, start_pair, thread_cpu
+from daemon.sim.launcher import Daemon, start_pair, thread_cpu
 
+REPO = Path(__file__).resolve().parents[1]
 NODES = ("prefill", "decode")
 WARM_UP = 200
 
 
 def start_profiled(workdir: Path, outdir: Path, wall: bool) -> tuple[Daemon, Daemon]:
+    # The daemons run in their work folder: harness.profiled (not installed)
+    # is found through PYTHONPATH, this checkout first.
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+
     def profiled(daemon: Daemon) -> None:
         daemon.profile_to = outdir / f"{daemon.node}.prof"
         daemon.profile_wall = wall
+        daemon.env = {**daemon.env, "PYTHONPATH": pythonpath}
 
     return start_pair(workdir, prepare=profiled)
 

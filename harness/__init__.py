@@ -2,6 +2,11 @@
 
 Not installed (pyproject.toml installs daemon, statemachine and schemas
 only): crash rounds, fuzzing, the load fleet, profiling, the CUDA IPC
-helper and the lifecycle recorder. It may import the package and its test
-dependencies (hypothesis); the package never imports it.
+helper, the lifecycle recorder, the simulated engine as a process
+(``engine_process``), and for real vLLM the tiny seeded checkpoints
+(``tinyllama``, ``tinydeepseek``, ``tinynemotron``), the server harness
+(``vllm_servers``), the P/D router (``vllm_router``), ``make demo-vllm``
+(``vllm_demo``), the P/D fuzzer and the probes. It may import the package
+and its test dependencies (hypothesis), never tests/; the package never
+imports it.
 """

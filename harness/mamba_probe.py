@@ -5,7 +5,7 @@ Three parts, each one process, at most one vLLM engine at a time (in-process,
 reach it):
 
 - ``hf``: Hugging Face's reference Nemotron-H on the tiny checkpoint
-  (daemon/sim/tinynemotron.py): does one early token of a 200-token prompt
+  (harness/tinynemotron.py): does one early token of a 200-token prompt
   change the 8 greedy tokens? Also with the attention layer's output zeroed
   (then only the SSM state carries it). No vLLM.
 - ``layout``: a connector-free vLLM instance: ``kv_cache_config`` (groups,
@@ -44,7 +44,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1")
 
 import torch
 
-from daemon.sim.tinynemotron import TinyNemotron, write_tinynemotron
+from harness.tinynemotron import TinyNemotron, write_tinynemotron
 
 PROMPT_LEN = 200
 MAX_TOKENS = 8

@@ -36,8 +36,8 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1")
 
 import torch
 
-from daemon.sim.tinydeepseek import TinyDeepSeek, write_tinydeepseek
-from daemon.sim.tinyllama import WEIGHTS, read_safetensors
+from harness.tinydeepseek import TinyDeepSeek, write_tinydeepseek
+from harness.tinyllama import WEIGHTS, read_safetensors
 
 BLOCK = 16
 

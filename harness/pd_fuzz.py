@@ -39,14 +39,6 @@ from pathlib import Path
 from typing import Any
 
 from daemon.sim.launcher import Daemon, free_port
-from daemon.sim.vllm_servers import (
-    SERVED_NAME,
-    VllmServer,
-    VllmServerError,
-    kvpushd_connector_config,
-    start_servers,
-    stop_servers,
-)
 from harness.pd_cases import (
     Batch,
     Case,
@@ -59,6 +51,14 @@ from harness.pd_cases import (
     is_clean,
 )
 from harness.pd_cases import shrink as shrink_candidates
+from harness.vllm_servers import (
+    SERVED_NAME,
+    VllmServer,
+    VllmServerError,
+    kvpushd_connector_config,
+    start_servers,
+    stop_servers,
+)
 
 # The pair's deadlines are short so that a fault's wait costs seconds:
 # a push nobody claims ends after UNCLAIMED_S, any other after REGISTERED_S.

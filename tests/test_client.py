@@ -730,7 +730,7 @@ async def test_sim_engine_refused_duplicate_keeps_the_original_with_loopback_fak
 
 
 class SimProcess:
-    """A ``python -m daemon.sim.engine_process`` child driven over JSON lines."""
+    """A ``python -m harness.engine_process`` child driven over JSON lines."""
 
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         """Wrap a started child (see :meth:`start`)."""
@@ -743,7 +743,7 @@ class SimProcess:
     ) -> SimProcess:
         layout = json.dumps([msgspec.to_builtins(g) for g in LAYOUT])
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "daemon.sim.engine_process",
+            sys.executable, "-m", "harness.engine_process",
             "--engine-id", engine_id, "--role", role, "--layout", layout,
             "--socket", socket, "--shm-prefix", prefix, *extra,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, cwd=ROOT,

@@ -47,7 +47,7 @@ from daemon.sim.hosts import (
     remote_writes,
     sweep_stale,
 )
-from daemon.sim.launcher import TEST_TIMING, Daemon, start_pair
+from daemon.sim.launcher import TEST_TIMING, Daemon, new_secret, start_pair
 from schemas import rpc
 from schemas.events import Failed, WriteDone
 from schemas.layout import Role
@@ -77,6 +77,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     work = tmp_path_factory.mktemp("hosts")
     with Hosts(NAMES) as hosts:
         daemons: dict[str, Daemon] = {}
+        secret = new_secret()  # one for the cluster: each host has its own folder
         try:
             for name in NAMES:
                 folder = work / name  # each host's own folder: socket, journal, log
@@ -86,6 +87,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                     folder,
                     PORT,
                     extra=SETTINGS,
+                    secret=secret,
                     # A native crash prints every thread's stack to the log.
                     env=dict(UCX_OVER_THE_NETWORK, PYTHONFAULTHANDLER="1"),
                     netns=hosts[name].netns,

@@ -137,20 +137,22 @@ RULES = (
     Rule(
         "sim-leaf",
         "nothing in the package reaches daemon.sim but daemon/sim itself and daemon/cli.py"
-        " (the demo command)",
+        " (the demo command, the one thing daemon/sim is shipped for)",
         lambda m: is_under(m, PACKAGE) and not is_under(m, ("daemon.sim", "daemon.cli")),
         lambda n: not is_under(n, ("daemon.sim",)),
     ),
     Rule(
         "vllm-apart",
         "nothing in the package imports vllm but the connector vLLM loads (daemon/client/vllm/);"
-        " tests_vllm/ and daemon/sim/vllm_servers.py run vLLM as a process",
+        " tests_vllm/ and harness/vllm_servers.py run vLLM as a process",
         lambda m: is_under(m, PACKAGE) and not is_under(m, CONNECTOR),
         lambda n: not is_under(n, ("vllm",)),
     ),
     Rule(
         "package-alone",
-        "the package imports neither the harness, tests, bench nor tools (none is installed)",
+        "the package imports neither the harness, tests, bench nor tools (none is installed):"
+        " never the test-only modules of harness/ (the tiny checkpoints, the vLLM servers,"
+        " router and demo, the engine process), which the wheel does not ship",
         lambda m: is_under(m, PACKAGE),
         lambda n: not is_under(n, ("harness", "tests", "bench", "tools")),
     ),
@@ -204,6 +206,37 @@ def test_the_graph_holds_every_wing(graph: ImportGraph) -> None:
         "tools.soak",
         "harness.crashrounds",
     } <= graph.modules
+
+
+def sim_modules_kvpushd_never_reaches(graph: ImportGraph) -> list[str]:
+    """Modules of daemon/sim that ``kvpushd`` (daemon/cli.py, the demo) never reaches.
+
+    daemon/sim ships in the wheel for ``kvpushd demo`` alone; a module only
+    tests, benches or tools import is test code in the wheel, and belongs in
+    harness/ (not installed).
+    """
+    reached = graph.reach("daemon.cli")
+    return sorted(m for m in graph.modules if is_under(m, ("daemon.sim",)) and m not in reached)
+
+
+def test_daemon_sim_holds_only_what_kvpushd_runs(graph: ImportGraph) -> None:
+    assert {"daemon.sim.demo", "daemon.sim.launcher", "daemon.sim.engine"} <= graph.modules
+    assert sim_modules_kvpushd_never_reaches(graph) == []
+
+
+def test_a_test_only_module_in_daemon_sim_is_reported() -> None:
+    tree = _package(
+        {
+            "daemon.cli": "def demo():\n    from daemon.sim import demo\n",
+            "daemon.sim.__init__": "",
+            "daemon.sim.demo": "from daemon.sim.engine import SimEngine\n",
+            "daemon.sim.engine": "",
+            # Used by tests only (and using the package): shipped for nothing.
+            "daemon.sim.tinyllama": "from daemon.sim.engine import SimEngine\n",
+            "tests.test_vllm_harness": "from daemon.sim.tinyllama import write_tinyllama\n",
+        }
+    )
+    assert sim_modules_kvpushd_never_reaches(tree) == ["daemon.sim.tinyllama"]
 
 
 def node_cycles(graph: ImportGraph) -> list[str]:
@@ -335,29 +368,35 @@ BROKEN: dict[str, tuple[dict[str, str], list[str]]] = {
     ),
     "vllm-apart": (
         {
-            "daemon.sim.vllm_servers": "from daemon.sim import tinyllama\n",
-            "daemon.sim.tinyllama": "import torch\nimport vllm.config\n",
+            "daemon.sim.demo": "from daemon.sim import engine\n",
+            "daemon.sim.engine": "import torch\nimport vllm.config\n",
             "daemon.client.vllm.link": "from vllm.distributed import kv_transfer\n",  # allowed
         },
         [
-            "daemon.sim.tinyllama:2 -> vllm",
-            "daemon.sim.tinyllama:2 -> vllm.config",
-            "daemon.sim.vllm_servers:1 -> daemon.sim.tinyllama:2 -> vllm",
-            "daemon.sim.vllm_servers:1 -> daemon.sim.tinyllama:2 -> vllm.config",
+            "daemon.sim.demo:1 -> daemon.sim.engine:2 -> vllm",
+            "daemon.sim.demo:1 -> daemon.sim.engine:2 -> vllm.config",
+            "daemon.sim.engine:2 -> vllm",
+            "daemon.sim.engine:2 -> vllm.config",
         ],
     ),
     "package-alone": (
         {
-            "statemachine.registry": "from schemas import events\n",
-            "schemas.events": "import bench.results\nfrom harness import fuzzing\n",
+            # The demo importing back a module that moved out of the package.
+            "daemon.cli": "from daemon.sim import demo\n",
+            "daemon.sim.demo": (
+                "import bench.results\nfrom harness.vllm_servers import kvpushd_pd\n"
+            ),
+            "statemachine.registry": "from schemas import events\n",  # allowed
         },
         [
-            "schemas.events:1 -> bench",
-            "schemas.events:1 -> bench.results",
-            "schemas.events:2 -> harness",
-            "statemachine.registry:1 -> schemas.events:1 -> bench",
-            "statemachine.registry:1 -> schemas.events:1 -> bench.results",
-            "statemachine.registry:1 -> schemas.events:2 -> harness",
+            "daemon.cli:1 -> daemon.sim.demo:1 -> bench",
+            "daemon.cli:1 -> daemon.sim.demo:1 -> bench.results",
+            "daemon.cli:1 -> daemon.sim.demo:2 -> harness",
+            "daemon.cli:1 -> daemon.sim.demo:2 -> harness.vllm_servers",
+            "daemon.sim.demo:1 -> bench",
+            "daemon.sim.demo:1 -> bench.results",
+            "daemon.sim.demo:2 -> harness",
+            "daemon.sim.demo:2 -> harness.vllm_servers",
         ],
     ),
     "bench-tools": (

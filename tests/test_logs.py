@@ -22,9 +22,10 @@ import pytest
 
 from daemon.nativelog import wrap
 from daemon.sim.engine import SimEngine, SimGroup
-from daemon.sim.launcher import REPO, Daemon, daemon_pair
+from daemon.sim.launcher import Daemon, daemon_pair
 from schemas import rpc
 from schemas.layout import Role
+from tests.support import REPO
 
 LAYOUT = [SimGroup(num_blocks=16, block_bytes=4096, layers=2)]
 

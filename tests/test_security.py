@@ -44,7 +44,6 @@ from daemon.journal.replay import replay
 from daemon.node.peerauth import NONCE_BYTES, auth_mac
 from daemon.node.peerlink import MAX_PENDING_HANDSHAKES
 from daemon.sim.launcher import (
-    TEST_SECRET,
     Daemon,
     fd_count,
     free_port,
@@ -62,7 +61,8 @@ from schemas.layout import GroupKind, Role
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as other uids")
 
-SECRET: Final = TEST_SECRET  # what the launcher writes
+# The pair's secret, given by this test (it answers the peer handshake itself).
+SECRET: Final = b"security-test-secret-0123456789abcdef"
 ENGINE_GID: Final = 4242  # the group the socket is shared with
 OTHER_UID: Final = 4243  # an engine's uid that is not allowed by uid
 ADMITTED_UID: Final = 4244
@@ -185,7 +185,7 @@ def groups_for(region: RegionSpec, num_blocks: int, per_logical: int = 1) -> tup
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[Daemon, Daemon]]:
     with open_workdir() as workdir:
-        prefill, decode = start_pair(workdir)
+        prefill, decode = start_pair(workdir, secret=SECRET)
         try:
             yield prefill, decode
         finally:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pyseccomp
 
-from daemon.sim.launcher import REPO
+from tests.support import REPO
 
 UNIT = REPO / "systemd" / "kvpushd.service"
 # Recorded in README "Operations": 5.6 MEDIUM before the filter, the empty

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.sim.tinyllama import (
+from harness.tinyllama import (
     CONFIG,
     WEIGHTS,
     TinyLlama,
@@ -29,7 +29,7 @@ from daemon.sim.tinyllama import (
     read_safetensors,
     write_tinyllama,
 )
-from daemon.sim.vllm_servers import (
+from harness.vllm_servers import (
     Metrics,
     VllmServer,
     affinities,

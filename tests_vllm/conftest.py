@@ -3,7 +3,7 @@
 Two servers (``a`` on the first core this process may use, ``b`` on the
 last) start together, once per session: each loads on its own core, so two
 cost the wall time of one (~25 s here). Tests that need other settings (a KV
-connector) start their own with :mod:`daemon.sim.vllm_servers`.
+connector) start their own with :mod:`harness.vllm_servers`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.sim.tinyllama import write_tinyllama
-from daemon.sim.vllm_servers import VllmServer, start_servers, stop_servers
+from harness.tinyllama import write_tinyllama
+from harness.vllm_servers import VllmServer, start_servers, stop_servers
 
 
 @pytest.fixture(scope="session")

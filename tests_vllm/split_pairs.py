@@ -18,8 +18,8 @@ from typing import NamedTuple
 from refusals import the_pairing_refusal
 
 from daemon.sim.launcher import Daemon, free_port, wait_idle
-from daemon.sim.vllm_router import prefill_leg
-from daemon.sim.vllm_servers import (
+from harness.vllm_router import prefill_leg
+from harness.vllm_servers import (
     EXTERNAL_TOKENS,
     VllmServer,
     kvpushd_connector_config,

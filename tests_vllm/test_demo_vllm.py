@@ -7,12 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from daemon.sim.launcher import REPO
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_vllm_demo_routes_every_prompt_token_exact_and_says_so(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "daemon.sim.vllm_demo", "--requests", "6", "--keep", str(tmp_path)],
+        [sys.executable, "-m", "harness.vllm_demo", "--requests", "6", "--keep", str(tmp_path)],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -21,9 +21,9 @@ import pytest
 from refusals import the_pairing_refusal
 
 from daemon.sim.launcher import Daemon, wait_idle
-from daemon.sim.tinyllama import TinyLlama, write_tinyllama
-from daemon.sim.vllm_router import prefill_leg
-from daemon.sim.vllm_servers import EXTERNAL_TOKENS, VllmServer, kvpushd_pd
+from harness.tinyllama import TinyLlama, write_tinyllama
+from harness.vllm_router import prefill_leg
+from harness.vllm_servers import EXTERNAL_TOKENS, VllmServer, kvpushd_pd
 from schemas.events import Failed, Trimmed, WriteStarted
 from schemas.reasons import Reason
 

@@ -21,8 +21,8 @@ import os
 from pathlib import Path
 
 from daemon.sim.launcher import Daemon, free_port
-from daemon.sim.tinyllama import TinyLlama, write_tinyllama
-from daemon.sim.vllm_servers import (
+from harness.tinyllama import TinyLlama, write_tinyllama
+from harness.vllm_servers import (
     VllmServer,
     kvpushd_connector_config,
     remove_vllm_shm_segments,

@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from daemon.sim.launcher import Daemon
-from daemon.sim.vllm_router import prefill_leg
-from daemon.sim.vllm_servers import VllmServer, VllmServerError, kvpushd_pd
+from harness.vllm_router import prefill_leg
+from harness.vllm_servers import VllmServer, VllmServerError, kvpushd_pd
 from schemas.reasons import Reason
 
 TOKENS = 8

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon.sim.vllm_servers import VllmServer
 from harness.pd_cases import Model, SystemFault, draw_run
 from harness.pd_fuzz import SHAPES, fuzz
+from harness.vllm_servers import VllmServer
 
 # The seed `tests/test_pd_cases.py` proves covers every kind in 40 cases.
 SEED, CASES = 4518, 40

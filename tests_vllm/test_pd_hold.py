@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 from daemon.sim.launcher import Daemon, wait_idle
-from daemon.sim.vllm_router import prefill_leg
-from daemon.sim.vllm_servers import EXTERNAL_TOKENS, VllmServer, kvpushd_pd
+from harness.vllm_router import prefill_leg
+from harness.vllm_servers import EXTERNAL_TOKENS, VllmServer, kvpushd_pd
 from schemas.events import Failed, Held, WriteDone
 
 PD = tuple[VllmServer, VllmServer, Daemon, Daemon]

@@ -30,8 +30,8 @@ import pytest
 
 from daemon.sim.hosts import Hosts
 from daemon.sim.launcher import Daemon
-from daemon.sim.vllm_router import prefill_leg
-from daemon.sim.vllm_servers import VllmServer, kvpushd_pd
+from harness.vllm_router import prefill_leg
+from harness.vllm_servers import VllmServer, kvpushd_pd
 from schemas.reasons import Reason
 
 TOKENS = 8

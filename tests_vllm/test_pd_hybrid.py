@@ -20,9 +20,9 @@ import pytest
 
 from daemon.journal.replay import replay
 from daemon.sim.launcher import Daemon, wait_idle
-from daemon.sim.tinyllama import TinyLlama, write_tinyllama
-from daemon.sim.vllm_router import prefill_leg
-from daemon.sim.vllm_servers import VllmServer, kvpushd_pd
+from harness.tinyllama import TinyLlama, write_tinyllama
+from harness.vllm_router import prefill_leg
+from harness.vllm_servers import VllmServer, kvpushd_pd
 from schemas.events import Registered, WriteDone
 
 TOKENS = 8

@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from daemon.sim.launcher import Daemon, wait_idle
-from daemon.sim.tinyllama import TinyLlama, write_tinyllama
-from daemon.sim.vllm_router import prefill_leg
-from daemon.sim.vllm_servers import VllmServer, kvpushd_pd
+from harness.tinyllama import TinyLlama, write_tinyllama
+from harness.vllm_router import prefill_leg
+from harness.vllm_servers import VllmServer, kvpushd_pd
 from schemas.events import Failed, WriteStarted
 from schemas.reasons import Reason
 

@@ -31,8 +31,8 @@ import pytest
 
 from daemon.journal.replay import replay
 from daemon.sim.launcher import Daemon, wait_idle
-from daemon.sim.vllm_router import prefill_leg, route_concurrent
-from daemon.sim.vllm_servers import VllmServer, VllmServerError, kvpushd_pd
+from harness.vllm_router import prefill_leg, route_concurrent
+from harness.vllm_servers import VllmServer, VllmServerError, kvpushd_pd
 from schemas.events import Failed, Registered, Released, Trimmed, WriteDone, WriteStarted
 from schemas.reasons import Reason
 from statemachine.content import decode as block_hashes_of

@@ -27,8 +27,8 @@ import pytest
 from split_pairs import TOKENS, Shape, Side, split_pair
 
 from daemon.sim.launcher import wait_idle
-from daemon.sim.tinynemotron import write_tinynemotron
-from daemon.sim.vllm_router import prefill_leg, route_concurrent
+from harness.tinynemotron import write_tinynemotron
+from harness.vllm_router import prefill_leg, route_concurrent
 from schemas.events import Registered, Released, WriteDone
 
 EXTERNAL_TOKENS = "vllm:prompt_tokens_by_source_total"

@@ -33,8 +33,8 @@ import pytest
 from split_pairs import TOKENS, Shape, Side, load_split_across_ranks, split_pair
 
 from daemon.sim.launcher import wait_idle
-from daemon.sim.tinydeepseek import write_tinydeepseek
-from daemon.sim.vllm_router import prefill_leg
+from harness.tinydeepseek import write_tinydeepseek
+from harness.vllm_router import prefill_leg
 from schemas.events import Released
 
 # vLLM's own rope (forward_native) instead of the CPU op that breaks MLA.

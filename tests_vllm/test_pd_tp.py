@@ -58,8 +58,8 @@ from split_pairs import (
 
 from daemon.cli import main
 from daemon.sim.launcher import Daemon, wait_idle
-from daemon.sim.vllm_router import prefill_leg
-from daemon.sim.vllm_servers import (
+from harness.vllm_router import prefill_leg
+from harness.vllm_servers import (
     EXTERNAL_TOKENS,
     VllmServer,
     kvpushd_pd,

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from daemon.sim.launcher import Daemon, free_port
-from daemon.sim.vllm_servers import VllmServer, kvpushd_connector_config, running
+from harness.vllm_servers import VllmServer, kvpushd_connector_config, running
 
 NOTICE = "serving without remote KV until it is up"
 

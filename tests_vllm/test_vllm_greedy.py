@@ -3,7 +3,7 @@
 Greedy tokens repeat across requests and across two instances (each pinned
 to its own core), and they depend on the whole prompt: changing one token
 changes them. That last property is why the checkpoint is written from a
-seed (daemon/sim/tinyllama.py) instead of vLLM's dummy weights, whose output
+seed (harness/tinyllama.py) instead of vLLM's dummy weights, whose output
 ignores the context: a decode instance fed wrong KV must produce different
 tokens, or a P/D test could not fail.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import time
 
-from daemon.sim.vllm_servers import VllmServer, affinities
+from harness.vllm_servers import VllmServer, affinities
 
 TOKENS = 16
 _rng = random.Random(12)

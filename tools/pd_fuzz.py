@@ -28,11 +28,11 @@ from pathlib import Path
 # After PYTHONPATH (a before/after run points it at another checkout's daemon).
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from daemon.sim.tinyllama import TinyLlama, write_tinyllama
-from daemon.sim.tinynemotron import write_tinynemotron
-from daemon.sim.vllm_servers import VllmServer, start_servers, stop_servers
 from harness.pd_cases import Model, draw_run, find_case
 from harness.pd_fuzz import SHAPES, fuzz
+from harness.tinyllama import TinyLlama, write_tinyllama
+from harness.tinynemotron import write_tinynemotron
+from harness.vllm_servers import VllmServer, start_servers, stop_servers
 
 
 def _vocab(model: Path) -> int:

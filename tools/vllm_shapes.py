@@ -40,10 +40,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from daemon.sim.launcher import wait_idle
-from daemon.sim.tinydeepseek import write_tinydeepseek
-from daemon.sim.tinyllama import TinyLlama, write_tinyllama
-from daemon.sim.vllm_router import prefill_leg
-from daemon.sim.vllm_servers import kvpushd_pd
+from harness.tinydeepseek import write_tinydeepseek
+from harness.tinyllama import TinyLlama, write_tinyllama
+from harness.vllm_router import prefill_leg
+from harness.vllm_servers import kvpushd_pd
 
 EXTERNAL = "vllm:prompt_tokens_by_source_total"
 TOKENS = 8

@@ -34,7 +34,7 @@ layout vocabulary (:class:`SimGroup`, :data:`SimLayout`, :func:`expand`,
 :func:`tail_pairs`, :class:`SimError`) and :data:`SHM_DIR`.
 
 Process mode (one engine per process, JSON lines on stdin/stdout):
-``python -m daemon.sim.engine_process``; see :mod:`daemon.sim.engine_process`.
+``python -m harness.engine_process``; see :mod:`harness.engine_process`.
 """
 
 from __future__ import annotations

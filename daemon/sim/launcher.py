@@ -16,9 +16,17 @@ Files of a daemon named ``N`` in its work folder ``W``::
     S/N.sock       its engine socket (S: ``socket_dir``, default W)
 
 The secret: a config names ``W/secret``; when that file does not exist yet,
-:meth:`Daemon.write_config` writes :data:`TEST_SECRET` there, a fixed
-secret tests can compute MACs with. The demo writes a random one first
-(:func:`write_secret`).
+:meth:`Daemon.write_config` writes the daemon's ``secret`` there: the one
+it was given, else a fresh random one of its own. Daemons of one work folder
+share that file (the first to write its config writes it), so a pair in one
+folder always authenticates each other; :func:`daemon_pair` also gives both
+the same one. Daemons in different folders that must peer are given one
+``secret`` (a secret nobody gave is never the same twice). The demo writes a
+random one first (:func:`write_secret`).
+
+A daemon runs in its work folder (its working directory), never in a
+checkout: ``python -m daemon.cli`` imports the package the environment
+holds (installed, or put on ``PYTHONPATH`` through ``env``).
 
 Also here: the probes tests and tools read a daemon process with
 (CPU time, RSS, open descriptors, mapped files, all from ``/proc``).
@@ -44,8 +52,6 @@ from typing import Any, Final
 
 from daemon.ops.status import NotRunning, StatusUnavailable, fetch_status
 
-REPO: Final = Path(__file__).resolve().parents[2]
-TEST_SECRET: Final = b"test-secret-0123456789abcdef"
 # What a status poll raises while a daemon is not (or no longer) serving.
 STATUS_ERRORS: Final = (NotRunning, StatusUnavailable)
 
@@ -84,6 +90,11 @@ def free_port() -> int:
     raise RuntimeError("no free port below the ephemeral range")
 
 
+def new_secret() -> bytes:
+    """A fresh random peer secret (64 hex digits: 256 bits, no line break to strip)."""
+    return secrets.token_hex(32).encode()
+
+
 def write_secret(path: Path, secret: bytes | None = None) -> None:
     """A secret file, created 0600 (never world-readable, not even briefly).
 
@@ -95,7 +106,7 @@ def write_secret(path: Path, secret: bytes | None = None) -> None:
     fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write((secret or secrets.token_hex(32).encode()) + b"\n")
+            f.write((secret or new_secret()) + b"\n")
         os.link(aside, path)
     finally:
         os.unlink(aside)
@@ -140,7 +151,8 @@ class Daemon:
     # Run the daemon under cProfile (harness/profiled.py), collecting
     # between profile(True) and profile(False), written here when it exits
     # (SIGTERM: ``stop``; a killed daemon writes none). For benches only
-    # (bench/profile_lifecycle.py): it profiles the loop thread alone.
+    # (bench/profile_lifecycle.py, which puts the harness on the daemon's
+    # PYTHONPATH through ``env``): it profiles the loop thread alone.
     profile_to: Path | None = None
     profile_wall: bool = False  # the wall clock rather than the loop thread's CPU clock
     # A host of its own (daemon/sim/hosts.py): the network namespace it runs
@@ -148,6 +160,16 @@ class Daemon:
     netns: str | None = None
     host: str = "127.0.0.1"
     peer_addresses: list[tuple[str, str]] = field(default_factory=list)  # (node, "ip:port")
+    # Written to the work folder's secret file if it has none yet (else that
+    # file's, shared by the folder's daemons, is the one used). Default: a
+    # fresh random one, this daemon's own.
+    secret: bytes = field(default_factory=new_secret, repr=False)
+
+    def __post_init__(self) -> None:
+        # Absolute: the daemon runs in its work folder, and reads these paths there.
+        self.workdir = self.workdir.absolute()
+        if self.socket_dir is not None:
+            self.socket_dir = self.socket_dir.absolute()
 
     @property
     def socket(self) -> str:
@@ -177,9 +199,9 @@ class Daemon:
     def write_config(self) -> Path:
         if not self.secret_path.exists():
             # Daemons of one folder may be started from several threads at once:
-            # the first one writes the (same) test secret.
+            # the first one writes its secret, which the others then share.
             with contextlib.suppress(FileExistsError):
-                write_secret(self.secret_path, TEST_SECRET)
+                write_secret(self.secret_path, self.secret)
         lines = [
             f"node = {toml_string(self.node)}",
             f"socket = {toml_string(self.socket)}",
@@ -223,7 +245,7 @@ class Daemon:
                 argv = ["ip", "netns", "exec", self.netns, *argv]
             self.proc = subprocess.Popen(
                 argv,
-                cwd=REPO,
+                cwd=self.workdir,  # its own folder, whatever the caller's or a checkout's
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -315,11 +337,18 @@ def wait_idle(*daemons: Daemon, timeout: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-def daemon_pair(workdir: Path, *, extra: str = "") -> tuple[Daemon, Daemon]:
-    """A prefill and a decode daemon that peer with each other (not started)."""
+def daemon_pair(
+    workdir: Path, *, extra: str = "", secret: bytes | None = None
+) -> tuple[Daemon, Daemon]:
+    """A prefill and a decode daemon that peer with each other (not started).
+
+    Both hold one secret, ``secret`` or a fresh random one (and share their
+    folder's secret file besides, which holds it unless it existed before).
+    """
     p_port, d_port = free_port(), free_port()
-    prefill = Daemon("prefill", workdir, p_port, [("decode", d_port)], extra)
-    decode = Daemon("decode", workdir, d_port, [("prefill", p_port)], extra)
+    secret = secret or new_secret()
+    prefill = Daemon("prefill", workdir, p_port, [("decode", d_port)], extra, secret=secret)
+    decode = Daemon("decode", workdir, d_port, [("prefill", p_port)], extra, secret=secret)
     return prefill, decode
 
 
@@ -344,16 +373,24 @@ def start_daemons(make: Callable[[], Sequence[Daemon]], tries: int = 4) -> list[
 
 
 def start_pair(
-    workdir: Path, *, extra: str = "", prepare: Callable[[Daemon], None] | None = None
+    workdir: Path,
+    *,
+    extra: str = "",
+    prepare: Callable[[Daemon], None] | None = None,
+    secret: bytes | None = None,
 ) -> tuple[Daemon, Daemon]:
     """A prefill and a decode daemon, started and peered.
 
     ``prepare`` is called on each daemon before it starts (and before each
-    retry on a port clash), to set what its config does not say.
+    retry on a port clash), to set what its config does not say. ``secret``:
+    the pair's (default: a fresh random one), for a test that speaks the
+    peer protocol itself.
     """
+    # One secret for every try: the folder's secret file outlives a try.
+    secret = secret or new_secret()
 
     def make() -> tuple[Daemon, Daemon]:
-        pair = daemon_pair(workdir, extra=extra)
+        pair = daemon_pair(workdir, extra=extra, secret=secret)
         if prepare is not None:
             for daemon in pair:
                 prepare(daemon)

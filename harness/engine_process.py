@@ -1,6 +1,6 @@
 """Process mode of the simulated engine: one engine per process, driven over JSON lines.
 
-``python -m daemon.sim.engine_process --engine-id E --role receiver --layout
+``python -m harness.engine_process --engine-id E --role receiver --layout
 LAYOUT --socket SOCK`` creates one :class:`daemon.sim.engine.SimEngine` on
 the daemon's engine socket, then reads one command per line on stdin (or
 ``--commands FILE``) and writes replies, events and verification results as
@@ -299,7 +299,7 @@ def _read_arg(value: str) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m daemon.sim.engine_process",
+        prog="python -m harness.engine_process",
         description="Simulated inference engine for kvpushd (JSON-lines control on stdin/stdout).",
     )
     p.add_argument("--engine-id", required=True)

@@ -1,6 +1,6 @@
 """A tiny Nemotron-H (Mamba2 hybrid) checkpoint, written deterministically from a seed.
 
-The hybrid sibling of :mod:`daemon.sim.tinyllama`: four layers after the
+The hybrid sibling of :mod:`harness.tinyllama`: four layers after the
 pattern ``"M*M-"`` (Mamba2 mixer, attention, Mamba2 mixer, MLP), hidden 256,
 attention head_dim 64 (vLLM's CPU attention needs >= 32). vLLM gives such a
 model two KV cache groups of ``MambaSpec`` (one per Mamba layer, each its
@@ -48,7 +48,7 @@ Names and shapes are those of ``transformers``' ``NemotronHForCausalLM``
 (``model.embeddings``, ``model.layers.N.mixer.*``, ``model.norm_f``); vLLM
 maps ``embeddings`` to ``embed_tokens`` and ``A_log`` to ``A``. Only torch and
 the standard library: ``write_tinynemotron(folder)``, or
-``python -m daemon.sim.tinynemotron FOLDER [--seed N]``.
+``python -m harness.tinynemotron FOLDER [--seed N]``.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ from typing import Any, Final
 
 import torch
 
-from daemon.sim.tinyllama import CONFIG, WEIGHTS, digest, write_safetensors
+from harness.tinyllama import CONFIG, WEIGHTS, digest, write_safetensors
 
 # Standard deviation times sqrt(fan_in), by projection (see the docstring).
 _GAINS: Final = {"q_proj": 2.0, "k_proj": 2.0, "v_proj": 3.0, "o_proj": 3.0, "out_proj": 2.0}

@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from daemon.sim.tinyllama import write_tinyllama
-from daemon.sim.vllm_router import Routed, percentile, route, single
-from daemon.sim.vllm_servers import EXTERNAL_TOKENS, kvpushd_pd
+from harness.tinyllama import write_tinyllama
+from harness.vllm_router import Routed, percentile, route, single
+from harness.vllm_servers import EXTERNAL_TOKENS, kvpushd_pd
 
 BAR_WIDTH = 32
 

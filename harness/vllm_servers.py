@@ -50,8 +50,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from daemon.sim.launcher import REPO, free_port
+from daemon.sim.launcher import free_port
 
+# The checkout this harness lives in (harness/ is never installed): where
+# ``.venv-vllm`` is.
+REPO: Final = Path(__file__).resolve().parents[1]
 # The name every server serves its model under (requests name it).
 SERVED_NAME: Final = "tiny"
 # Prompt tokens by where they came from (label ``source``: local_compute,

@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from daemon.sim.vllm_servers import Completion, VllmServer, VllmServerError
+from harness.vllm_servers import Completion, VllmServer, VllmServerError
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ standard library: it never imports vLLM, and the main environment, which has
 neither vLLM nor the ``safetensors`` package, can write and read it too.
 
 Used by tests_vllm/ and by benches: ``write_tinyllama(folder)``, or
-``python -m daemon.sim.tinyllama FOLDER [--seed N]``.
+``python -m harness.tinyllama FOLDER [--seed N]``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ MLA (multi-head latent attention) caches one latent row per token (the
 normed ``kv_lora_rank`` latent and the ``qk_rope_head_dim`` rope key, 576
 floats) shared by every head, instead of per-head K and V: the KV bytes a
 connector moves, and the kernels that read them, differ from the llama
-ones, so a P/D test that passes on :mod:`daemon.sim.tinyllama` says nothing
+ones, so a P/D test that passes on :mod:`harness.tinyllama` says nothing
 about an MLA model. vLLM's CPU build serves MLA only through its reference
 backend (``cpu_mla``), which takes exactly the DeepSeek latent width
 (512 + 64) and forces block size 16; the shape here is the smallest that
@@ -38,7 +38,7 @@ The folder holds what vLLM's DeepSeek loader reads and no tokenizer::
     model.safetensors    every weight under its Hugging Face name
 
 Used by tests and probes: ``write_tinydeepseek(folder)``, or
-``python -m daemon.sim.tinydeepseek FOLDER [--seed N]``. Two writes with the
+``python -m harness.tinydeepseek FOLDER [--seed N]``. Two writes with the
 same seed are byte-equal; only torch and the standard library are needed.
 """
 
@@ -54,7 +54,7 @@ from typing import Any, Final
 
 import torch
 
-from daemon.sim.tinyllama import CONFIG, WEIGHTS, digest, write_safetensors
+from harness.tinyllama import CONFIG, WEIGHTS, digest, write_safetensors
 
 # Standard deviation times sqrt(fan_in), by projection (see the docstring);
 # kv_b_proj is split per head into its key and value rows.
