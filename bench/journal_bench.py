@@ -4,7 +4,7 @@ Measures the append rate of ~100-byte payloads under each fsync policy and the
 raw replay (parse) rate, prints a table and writes it as the section
 "## Journal (storage layer)" of bench/RESULTS.md (replacing an older one).
 
-    .venv/bin/python bench/journal_bench.py [--dir DIR] [--seconds S]
+    .venv/bin/python bench/journal_bench.py [--dir DIR] [--seconds S] [--format 1|2]
 
 Run it with --dir on the filesystem the daemon will use: fdatasync cost is a
 property of the device, and /tmp may be tmpfs.
@@ -74,6 +74,7 @@ def timed_appends(
     policy: FsyncPolicy,
     commit_every_s: float | None = None,
     commit_every: int | None = None,
+    journal_format: int | None = None,
 ) -> tuple[int, float, int]:
     """Append for ``seconds``; return (durable records, elapsed, fdatasync calls).
 
@@ -82,7 +83,7 @@ def timed_appends(
     ``commit_every`` appends, as a caller (the daemon's GroupCommit) would.
     """
     sync = CountingSync()
-    with Journal.open(directory, fsync=policy, fdatasync=sync) as journal:
+    with Journal.open(directory, fsync=policy, fdatasync=sync, format=journal_format) as journal:
         syncs_at_start = sync.calls
         append = journal.append
         clock = time.perf_counter
@@ -104,8 +105,8 @@ def timed_appends(
         return durable, elapsed, sync.calls - syncs_at_start
 
 
-def replay_rows(directory: Path) -> list[Row]:
-    with Journal.open(directory, fsync=FsyncPolicy.NEVER) as journal:
+def replay_rows(directory: Path, journal_format: int | None = None) -> list[Row]:
+    with Journal.open(directory, fsync=FsyncPolicy.NEVER, format=journal_format) as journal:
         for index in range(REPLAY_RECORDS):
             journal.append(PAYLOAD)
             if index % COMMIT_EVERY == 0:
@@ -123,26 +124,31 @@ def replay_rows(directory: Path) -> list[Row]:
     ]
 
 
-def append_rows(root: Path, seconds: float) -> list[Row]:
+def append_rows(root: Path, seconds: float, journal_format: int | None = None) -> list[Row]:
+    fmt = journal_format
     cases: list[tuple[str, Callable[[Path], tuple[int, float, int]]]] = [
         (
             "always (fdatasync per record)",
-            lambda d: timed_appends(d, min(seconds, 2.0), policy=FsyncPolicy.ALWAYS),
+            lambda d: timed_appends(
+                d, min(seconds, 2.0), policy=FsyncPolicy.ALWAYS, journal_format=fmt
+            ),
         ),
         (
             "batch, commit every 1 ms",
-            lambda d: timed_appends(d, seconds, policy=FsyncPolicy.BATCH, commit_every_s=0.001),
+            lambda d: timed_appends(
+                d, seconds, policy=FsyncPolicy.BATCH, commit_every_s=0.001, journal_format=fmt
+            ),
         ),
         (
             f"batch, commit every {COMMIT_EVERY} appends",
             lambda d: timed_appends(
-                d, seconds, policy=FsyncPolicy.BATCH, commit_every=COMMIT_EVERY
+                d, seconds, policy=FsyncPolicy.BATCH, commit_every=COMMIT_EVERY, journal_format=fmt
             ),
         ),
         (
             f"never (buffered writes, commit every {COMMIT_EVERY})",
             lambda d: timed_appends(
-                d, seconds, policy=FsyncPolicy.NEVER, commit_every=COMMIT_EVERY
+                d, seconds, policy=FsyncPolicy.NEVER, commit_every=COMMIT_EVERY, journal_format=fmt
             ),
         ),
     ]
@@ -209,11 +215,15 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, help="parent of the scratch journals")
     parser.add_argument("--seconds", type=float, default=3.0, help="per append case")
     parser.add_argument("--no-write", action="store_true", help="do not touch RESULTS.md")
+    parser.add_argument(
+        "--format", type=int, choices=(1, 2), help="journal format (default: the journal's)"
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="kvpj-bench-", dir=args.dir) as tmp:
         root = Path(tmp)
-        rows = append_rows(root, args.seconds) + replay_rows(root / "replay")
+        rows = append_rows(root, args.seconds, args.format)
+        rows += replay_rows(root / "replay", args.format)
     print(render_table(rows))
     if not args.no_write:
         update_results(render_section(rows, args.dir or Path(tempfile.gettempdir())))

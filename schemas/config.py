@@ -25,6 +25,15 @@ PosixId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 2)]
 
 DEFAULT_LISTEN: Final = "127.0.0.1:7700"
 
+# The journal format new segments are written in, the one default of both
+# the daemon's `journal.format` and `Journal.open` when it is not told
+# (daemon/journal/format.py imports it). 2, a frame per group commit: what
+# the daemon has written since format 2 landed, and what replays fastest (one
+# CRC pass and one decode per commit). 1, a frame per record, is what a
+# kvpushd from before format 2 can replay: a deployment that may still roll
+# back to one sets `journal.format = 1`; every kvpushd since reads both.
+DEFAULT_JOURNAL_FORMAT: Final = 2
+
 
 class LogLevel(enum.StrEnum):
     DEBUG = "debug"
@@ -70,11 +79,10 @@ class JournalConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     segment_mb: Positive = 64
     snapshot_every: NonNegative = 100_000  # records between snapshots; 0: never
     retain_segments: NonNegative = 2
-    # The on-disk format of the segments this daemon creates: 2 frames each
-    # group commit once (one CRC, one decode); 1 frames each record, and is
-    # what a kvpushd from before format 2 can replay: keep 1 while a
-    # rollback to one may still happen. Either is read.
-    format: Literal[1, 2] = 2
+    # The on-disk format of the segments this daemon creates (1 or 2; see
+    # DEFAULT_JOURNAL_FORMAT above: keep 1 while a rollback to a kvpushd from
+    # before format 2 may still happen). Either is read.
+    format: Literal[1, 2] = DEFAULT_JOURNAL_FORMAT
 
 
 class NixlConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -20,12 +20,11 @@ from hypothesis import strategies as st
 
 from daemon.journal import writer as writer_module
 from daemon.journal.format import (
+    DEFAULT_WRITE_FORMAT,
     FRAME_OVERHEAD,
     GROUP_OVERHEAD,
     HEADER_SIZE,
-    WRITE_FORMAT_ENV,
     JournalCorrupt,
-    default_write_format,
     pack_file_header,
     parse_header,
     segment_name,
@@ -35,6 +34,7 @@ from daemon.journal.replay import fold_contents, replay
 from daemon.journal.writer import FsyncPolicy, Journal
 from daemon.node.ledger import Ledger
 from daemon.postmortem.sources import group_sources
+from schemas.config import DEFAULT_JOURNAL_FORMAT, JournalConfig
 from schemas.events import KvReady, Record, WriteDone, WriteStarted
 from schemas.layout import EngineLayout, GroupKind, GroupLayout, Role
 from statemachine import Registry
@@ -133,18 +133,14 @@ def test_a_group_never_passes_the_size_limit(
     assert list(read_journal(tmp_path).records) == numbered([payloads])
 
 
-def test_the_default_format_comes_from_the_environment(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.delenv(WRITE_FORMAT_ENV, raising=False)
-    assert default_write_format() == 1
-    monkeypatch.setenv(WRITE_FORMAT_ENV, "2")
-    assert default_write_format() == 2
+def test_one_default_format_for_the_daemon_and_the_journal(tmp_path: Path) -> None:
+    """``journal.format``'s default and Journal.open's, when not told, are one constant."""
+    assert JournalConfig().format == DEFAULT_JOURNAL_FORMAT == DEFAULT_WRITE_FORMAT
     with Journal.open(tmp_path) as journal:
-        assert journal.format == 2
-    monkeypatch.setenv(WRITE_FORMAT_ENV, "3")
-    with pytest.raises(ValueError, match="formats are 1 and 2"):
-        default_write_format()
+        assert journal.format == JournalConfig().format
+        journal.append(payload(0))
+    (segment,) = segments(tmp_path)
+    assert parse_header(segment.read_bytes(), b"KVPJ") == (1, JournalConfig().format)
     with pytest.raises(ValueError):
         Journal.open(tmp_path / "other", format=3)
 

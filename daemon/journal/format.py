@@ -150,8 +150,11 @@ from typing import TypeAlias
 
 from crc32c import crc32c
 
+from schemas.config import DEFAULT_JOURNAL_FORMAT
+
 __all__ = [
     "DEFAULT_SEGMENT_BYTES",
+    "DEFAULT_WRITE_FORMAT",
     "FORMAT_V1",
     "FORMAT_V2",
     "FORMAT_VERSION",
@@ -160,7 +163,6 @@ __all__ = [
     "HEADER_SIZE",
     "MAX_GROUP_BYTES",
     "MAX_RECORD_BYTES",
-    "WRITE_FORMAT_ENV",
     "JournalClosed",
     "JournalCorrupt",
     "JournalError",
@@ -168,7 +170,6 @@ __all__ = [
     "JournalLocked",
     "NoJournal",
     "check_payload",
-    "default_write_format",
     "segment_name",
     "snapshot_name",
 ]
@@ -182,10 +183,10 @@ FORMAT_V2 = 2
 FORMAT_VERSION = FORMAT_V2
 READABLE_VERSIONS = (FORMAT_V1, FORMAT_V2)
 SNAPSHOT_VERSION = FORMAT_V1
-# The format new segments are written in, unless Journal.open is told: format 1
-# until the daemon opts in (see default_write_format).
-WRITE_FORMAT_ENV = "KVPUSHD_JOURNAL_FORMAT"
-DEFAULT_WRITE_FORMAT = FORMAT_V1
+# The format new segments are written in when Journal.open is not told: the
+# one default, shared with the daemon's `journal.format` (schemas/config.py
+# says why it is 2).
+DEFAULT_WRITE_FORMAT = DEFAULT_JOURNAL_FORMAT
 MAX_RECORD_BYTES = 16 * 1024 * 1024
 MAX_GROUP_BYTES = 32 * 1024 * 1024
 DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
@@ -299,21 +300,6 @@ def check_payload(payload: BytesLike) -> int:
 def frame_header(payload: BytesLike) -> bytes:
     length = check_payload(payload)
     return FRAME.pack(length, crc32c(payload, length_seed(length)))
-
-
-def default_write_format() -> int:
-    """The format new segments are written in when Journal.open is not told.
-
-    ``DEFAULT_WRITE_FORMAT``, or the environment's ``KVPUSHD_JOURNAL_FORMAT``
-    (1 or 2): how a deployment, or a soak, turns format 2 on without a new
-    build. A journal written in either is read by this code.
-    """
-    value = os.environ.get(WRITE_FORMAT_ENV, "").strip()
-    if not value:
-        return DEFAULT_WRITE_FORMAT
-    if value not in ("1", "2"):
-        raise ValueError(f"{WRITE_FORMAT_ENV}={value!r}: the journal formats are 1 and 2")
-    return int(value)
 
 
 def pack_file_header(magic: bytes, seq: int, version: int = FORMAT_V1) -> bytes:

@@ -24,6 +24,7 @@ from crc32c import crc32c
 from daemon import failpoints
 from daemon.journal.format import (
     DEFAULT_SEGMENT_BYTES,
+    DEFAULT_WRITE_FORMAT,
     FILE_MODE,
     FORMAT_V1,
     FORMAT_V2,
@@ -46,7 +47,6 @@ from daemon.journal.format import (
     JournalError,
     JournalFatal,
     bad_size,
-    default_write_format,
     frame_header,
     length_seed,
     list_files,
@@ -182,8 +182,9 @@ class Journal:
 
         ``format``: the on-disk format of the segments this journal creates,
         1 (a frame per record) or 2 (a frame per commit); None:
-        :func:`~daemon.journal.format.default_write_format`. A directory's
-        older segments are read whatever their format.
+        ``DEFAULT_WRITE_FORMAT``, which is the daemon's ``journal.format``
+        default too (``schemas.config.DEFAULT_JOURNAL_FORMAT``). A
+        directory's older segments are read whatever their format.
 
         Raises :class:`JournalLocked` if another Journal holds it,
         :class:`JournalCorrupt` if it holds anything but a torn tail, and
@@ -193,7 +194,7 @@ class Journal:
         if segment_bytes <= HEADER_SIZE:
             raise ValueError(f"segment_bytes must exceed the {HEADER_SIZE}-byte header")
         if format is None:
-            format = default_write_format()
+            format = DEFAULT_WRITE_FORMAT
         if format not in (FORMAT_V1, FORMAT_V2):
             raise ValueError(f"format must be {FORMAT_V1} or {FORMAT_V2}, got {format}")
         policy = FsyncPolicy(fsync)
