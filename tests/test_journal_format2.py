@@ -22,9 +22,14 @@ from daemon.journal import writer as writer_module
 from daemon.journal.format import (
     DEFAULT_WRITE_FORMAT,
     FRAME_OVERHEAD,
+    GROUP_FRAMES,
     GROUP_OVERHEAD,
     HEADER_SIZE,
+    RECORD_FRAMES,
+    Framing,
     JournalCorrupt,
+    check_frames,
+    frame_problem,
     pack_file_header,
     parse_header,
     segment_name,
@@ -143,6 +148,144 @@ def test_one_default_format_for_the_daemon_and_the_journal(tmp_path: Path) -> No
     assert parse_header(segment.read_bytes(), b"KVPJ") == (1, JournalConfig().format)
     with pytest.raises(ValueError):
         Journal.open(tmp_path / "other", format=3)
+
+
+# --------------------------------------------------------------------------
+# the frame checks: one walk per format, and the reasons it gives
+
+# Frames of each format, built by hand, and what is wrong with them.
+F1_OK = struct.pack(">II", 3, crc32c(b"abc", crc32c(struct.pack(">I", 3)))) + b"abc"
+
+
+def frame_2(body: bytes, crc: int | None = None) -> bytes:
+    length = struct.pack(">I", len(body))
+    return length + struct.pack(">I", crc32c(length + body) if crc is None else crc) + body
+
+
+def body_2(mark: int, count: int, payloads: bytes, sizes: list[int]) -> bytes:
+    return struct.pack(">BI", mark, count) + payloads + struct.pack(f">{len(sizes)}I", *sizes)
+
+
+REASONS = [
+    (RECORD_FRAMES, b"\x00\x00\x00", "frame header cut short (3 bytes before end of file)"),
+    (RECORD_FRAMES, b"", "frame header cut short (0 bytes before end of file)"),
+    (RECORD_FRAMES, bytes(8), "zero record length"),
+    (
+        RECORD_FRAMES,
+        struct.pack(">II", (1 << 24) + 1, 0),
+        "record length 16777217 exceeds 16777216",
+    ),
+    (RECORD_FRAMES, F1_OK[:-1], "3-byte record runs 1 bytes past end of file"),
+    (
+        RECORD_FRAMES,
+        F1_OK[:4] + bytes(4) + b"abc",
+        f"record CRC mismatch (stored 0x00000000, computed {int.from_bytes(F1_OK[4:8]):#010x})",
+    ),
+    (GROUP_FRAMES, struct.pack(">II", 9, 0) + bytes(9), "group length 9 is below 10"),
+    (GROUP_FRAMES, struct.pack(">II", (1 << 25) + 1, 0), "group length 33554433 exceeds 33554432"),
+    (
+        GROUP_FRAMES,
+        frame_2(body_2(0xDD, 1, b"a", [1]))[:-2],
+        "10-byte group runs 2 bytes past end of file",
+    ),
+    (
+        GROUP_FRAMES,
+        frame_2(body_2(0xDD, 1, b"a", [1]), crc=7),
+        "group CRC mismatch (stored 0x00000007, computed ",
+    ),
+    (GROUP_FRAMES, frame_2(body_2(0x93, 1, b"a", [1])), "group mark 0x93, expected 0xdd"),
+    (
+        GROUP_FRAMES,
+        frame_2(body_2(0xDD, 2, b"a", [1])),
+        "group count 2 does not fit its 10-byte body",
+    ),
+    (
+        GROUP_FRAMES,
+        frame_2(body_2(0xDD, 1, b"ab", [1])),
+        "group sizes add up to 1, its body holds 2",
+    ),
+    (
+        GROUP_FRAMES,
+        frame_2(body_2(0xDD, 2, b"ab", [0, 2])),
+        "group holds a record size outside 1..16777216",
+    ),
+]
+
+
+@pytest.mark.parametrize(("framing", "frame", "reason"), REASONS)
+def test_each_check_gives_its_reason(framing: Framing, frame: bytes, reason: str) -> None:
+    """The reasons damage reports carry, one per check, alone and after an intact frame.
+
+    The walk gives the one-frame check's reason where it stops, but at end of
+    file, where nothing is wrong: no frame is not a bad frame to a walk.
+    """
+    intact = F1_OK if framing is RECORD_FRAMES else frame_2(body_2(0xDD, 1, b"z", [1]))
+    for data in (frame, intact + frame):
+        view = memoryview(data)
+        offset = len(data) - len(frame)
+        why = frame_problem(framing, data, view, offset)
+        assert why is not None and why.startswith(reason)
+        at_end = offset == len(data)
+        walked = (offset, 0 if offset == 0 else 1, None if at_end else why)
+        assert check_frames(framing, data, view, 0) == walked
+
+
+@st.composite
+def damaged_frames(draw: st.DrawFn) -> tuple[Framing, bytes]:
+    """Intact frames of either format, then a few bytes flipped, cut, zeroed or added."""
+    framing = draw(st.sampled_from([RECORD_FRAMES, GROUP_FRAMES]))
+    sized = st.binary(min_size=1, max_size=20)
+    if framing is RECORD_FRAMES:
+        frames = [
+            struct.pack(">II", len(p), crc32c(p, crc32c(struct.pack(">I", len(p))))) + p
+            for p in draw(st.lists(sized, max_size=6))
+        ]
+    else:
+        groups = draw(st.lists(st.lists(sized, min_size=1, max_size=4), max_size=4))
+        frames = [frame_2(body_2(0xDD, len(g), b"".join(g), [len(p) for p in g])) for g in groups]
+    data = bytearray(draw(st.binary(max_size=3)) + b"".join(frames))
+    for kind, at, value in draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(["flip", "cut", "zero", "add"]),
+                st.integers(0, 200),
+                st.integers(0, 255),
+            ),
+            max_size=3,
+        )
+    ):
+        if not data:
+            break
+        at %= len(data)
+        if kind == "flip":
+            data[at] ^= 1 << (value % 8)
+        elif kind == "cut":
+            del data[at:]
+        elif kind == "zero":
+            data[at : at + value % 40] = bytes(len(data[at : at + value % 40]))
+        else:
+            data[at:at] = bytes([value]) * (value % 5 + 1)
+    return framing, bytes(data)
+
+
+@settings(max_examples=300, deadline=None)
+@given(damaged_frames())
+def test_the_walk_and_the_one_frame_check_agree(case: tuple[Framing, bytes]) -> None:
+    """From every offset: the walk stops where a frame first fails, with that frame's
+    reason; stepping frame by frame with the one-frame check ends there too; the
+    next valid frame found is the first offset the one-frame check accepts."""
+    framing, data = case
+    view = memoryview(data)
+    valid = [o for o in range(len(data)) if frame_problem(framing, data, view, o) is None]
+    for offset in range(len(data) + 1):
+        stop, records, why = check_frames(framing, data, view, offset)
+        assert why == (None if stop == len(data) else frame_problem(framing, data, view, stop))
+        step, counted = offset, 0
+        while frame_problem(framing, data, view, step) is None:
+            step, more, _ = check_frames(framing, data, view, step, last=step)
+            counted += more
+        assert (step, counted) == (stop, records)
+        assert framing.find(data, view, offset) == next((o for o in valid if o >= offset), None)
 
 
 # --------------------------------------------------------------------------

@@ -145,6 +145,8 @@ from __future__ import annotations
 import os
 import re
 import struct
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeAlias
 
@@ -332,79 +334,16 @@ def parse_file_header(data: bytes, magic: bytes) -> int:
     return parse_header(data, magic)[0]
 
 
-def frame_problem(data: bytes, view: memoryview, offset: int) -> str | None:
-    """Why the frame at ``offset`` is invalid, or None if it is valid."""
-    end = len(data)
-    if offset + FRAME_OVERHEAD > end:
-        return f"frame header cut short ({end - offset} bytes before end of file)"
-    length, stored = FRAME.unpack_from(data, offset)
-    if length == 0:
-        return "zero record length"
-    if length > MAX_RECORD_BYTES:
-        return f"record length {length} exceeds {MAX_RECORD_BYTES}"
-    stop = offset + FRAME_OVERHEAD + length
-    if stop > end:
-        return f"{length}-byte record runs {stop - end} bytes past end of file"
-    computed = crc32c(view[offset + FRAME_OVERHEAD : stop], length_seed(length))
-    if computed != stored:
-        return f"record CRC mismatch (stored {stored:#010x}, computed {computed:#010x})"
-    return None
-
-
-def parse_run(data: bytes, view: memoryview, offset: int) -> tuple[int, int]:
-    """Walk intact frames from ``offset``; return (offset of first bad frame or EOF, count).
-
-    The hot loop of replay, hence the local aliases, the cached CRC seeds and
-    no allocation but the memoryview slice handed to crc32c.
-    """
-    unpack = FRAME.unpack_from
-    seeds = SEEDS
-    crc = crc32c
-    end = len(data)
-    limit = end - FRAME_OVERHEAD
-    count = 0
-    while offset <= limit:
-        length, stored = unpack(data, offset)
-        body = offset + FRAME_OVERHEAD
-        stop = body + length
-        if stop > end or not 0 < length <= MAX_RECORD_BYTES:
-            break
-        try:
-            seed = seeds[length]
-        except KeyError:
-            seed = length_seed(length)
-        if crc(view[body:stop], seed) != stored:
-            break
-        offset = stop
-        count += 1
-    return offset, count
-
-
-def find_next_frame(data: bytes, view: memoryview, start: int) -> int | None:
-    """The first offset >= start where a valid frame begins, or None."""
-    end = len(data)
-    pos = start
-    while pos + FRAME_OVERHEAD < end:
-        zeros = data.find(_ZERO_RUN, pos)
-        # Inside a zero run no offset can hold a legal length, so the regex
-        # may stop there; it sees 3 bytes into the run so that a length field
-        # ending in zeros (01 00 00 00) just before it is still found.
-        limit = end if zeros < 0 else zeros + 3
-        for match in _CANDIDATE.finditer(data, pos, limit):
-            if frame_problem(data, view, match.start()) is None:
-                return match.start()
-        if zeros < 0:
-            return None
-        nonzero = _NONZERO.search(data, zeros)
-        if nonzero is None:
-            return None
-        # A length field may start up to 3 zero bytes before a non-zero byte.
-        pos = nonzero.start() - 3
-    return None
-
-
 # --------------------------------------------------------------------------
-# Format 2: groups
+# Frame checks, written once for both formats
+#
+# A frame is checked in two parts. The part both formats share: a length
+# within the format's bounds, a frame that ends before end of file, a CRC
+# that matches (check_frames, below). The part only format 2 has: the
+# group's mark, count and size table (group_records). check_frames is both
+# replay's hot walk over intact frames and the "why" of the first bad one
+# (frame_problem is the same walk, told to stop after one frame): it stops
+# at the first check that fails and says which.
 
 _SIZES: dict[int, struct.Struct] = {}
 
@@ -425,63 +364,138 @@ def group_sizes(data: bytes, offset: int) -> tuple[int, ...]:
     return sizes_struct(count).unpack_from(data, offset + FRAME_OVERHEAD + length - 4 * count)
 
 
-def _table_problem(length: int, count: int, sizes: tuple[int, ...]) -> str | None:
-    if sum(sizes) != length - MARK_COUNT.size - 4 * count:
-        return f"group sizes add up to {sum(sizes)}, its body holds {length - 5 - 4 * count}"
-    if min(sizes) < 1 or max(sizes) > MAX_RECORD_BYTES:
-        return f"group holds a record size outside 1..{MAX_RECORD_BYTES}"
-    return None
+def group_records(data: bytes, body: int, stop: int) -> int:
+    """The record count of the group whose CRC-checked body is ``data[body:stop]``.
 
-
-def group_problem(data: bytes, view: memoryview, offset: int) -> str | None:
-    """Why the format-2 group at ``offset`` is invalid, or None if it is valid."""
-    end = len(data)
-    if offset + FRAME_OVERHEAD > end:
-        return f"frame header cut short ({end - offset} bytes before end of file)"
-    length, stored = FRAME.unpack_from(data, offset)
-    if length < MIN_GROUP_LENGTH:
-        return f"group length {length} is below {MIN_GROUP_LENGTH}"
-    if length > MAX_GROUP_BYTES:
-        return f"group length {length} exceeds {MAX_GROUP_BYTES}"
-    stop = offset + FRAME_OVERHEAD + length
-    if stop > end:
-        return f"{length}-byte group runs {stop - end} bytes past end of file"
-    computed = crc32c(view[offset + FRAME_OVERHEAD : stop], length_seed(length))
-    if computed != stored:
-        return f"group CRC mismatch (stored {stored:#010x}, computed {computed:#010x})"
-    mark, count = MARK_COUNT.unpack_from(data, offset + FRAME_OVERHEAD)
-    if mark != GROUP_MARK:
-        return f"group mark {mark:#04x}, expected {GROUP_MARK:#04x}"
-    if not 0 < count <= (length - MARK_COUNT.size) // 5:
-        return f"group count {count} does not fit its {length}-byte body"
-    return _table_problem(length, count, sizes_struct(count).unpack_from(data, stop - 4 * count))
-
-
-def parse_groups(data: bytes, view: memoryview, offset: int) -> tuple[int, int]:
-    """Walk intact groups from ``offset``; return (offset of first bad group or EOF, records).
-
-    Format 2's :func:`parse_run`: one CRC call per group, whatever it holds.
+    Format 2's own checks: the mark, a count that fits the body, a size
+    table whose sizes are legal and fill the body. :class:`Invalid` says
+    which failed.
     """
-    unpack = GROUP_HEAD.unpack_from
+    length = stop - body
+    mark, count = MARK_COUNT.unpack_from(data, body)
+    if mark != GROUP_MARK:
+        raise Invalid(f"group mark {mark:#04x}, expected {GROUP_MARK:#04x}")
+    if not 0 < count <= (length - MARK_COUNT.size) // 5:
+        raise Invalid(f"group count {count} does not fit its {length}-byte body")
+    sizes = sizes_struct(count).unpack_from(data, stop - 4 * count)
+    held = length - MARK_COUNT.size - 4 * count
+    if sum(sizes) != held:
+        raise Invalid(f"group sizes add up to {sum(sizes)}, its body holds {held}")
+    if min(sizes) < 1 or max(sizes) > MAX_RECORD_BYTES:
+        raise Invalid(f"group holds a record size outside 1..{MAX_RECORD_BYTES}")
+    return count
+
+
+@dataclass(frozen=True, slots=True)
+class Framing:
+    """What a format's frames must be: the rules :func:`check_frames` applies.
+
+    ``noun`` names the frame in reasons; ``minimum`` and ``maximum`` bound
+    its length field; ``too_short`` is the reason for a length below
+    ``minimum`` (``{length}`` and ``{minimum}`` filled in); ``records``
+    checks a CRC-checked body and returns its record count (None: a frame
+    is one record, format 1); ``find`` finds the next valid frame.
+    """
+
+    version: int
+    noun: str
+    minimum: int
+    maximum: int
+    too_short: str
+    records: Callable[[bytes, int, int], int] | None
+    find: Callable[[bytes, memoryview, int], int | None]
+
+
+def _cut_short(end: int, offset: int) -> str:
+    return f"frame header cut short ({end - offset} bytes before end of file)"
+
+
+def check_frames(
+    framing: Framing, data: bytes, view: memoryview, offset: int, last: int = -1
+) -> tuple[int, int, str | None]:
+    """Walk the intact frames from ``offset``: ``(stop, records, why)``.
+
+    ``stop``: the offset of the first frame that fails a check (or end of
+    file); ``records``: how many records the intact frames before it hold;
+    ``why``: what the frame at ``stop`` fails, None if ``stop`` is the end
+    of ``data`` or lies past ``last`` (the last offset a frame is checked
+    at; -1: no limit).
+
+    The hot loop of replay, hence the local aliases, the cached CRC seeds
+    and no allocation but the memoryview slice handed to crc32c; a reason
+    is only formatted once a check has failed.
+    """
+    unpack = FRAME.unpack_from
+    seeds = SEEDS
     crc = crc32c
+    minimum, maximum, count_records = framing.minimum, framing.maximum, framing.records
     end = len(data)
-    limit = end - GROUP_OVERHEAD
+    limit = end - FRAME_OVERHEAD
+    if last < 0 or last > limit:
+        last = limit
     records = 0
-    while offset <= limit:
-        length, stored, mark, count = unpack(data, offset)
+    while offset <= last:
+        length, stored = unpack(data, offset)
         body = offset + FRAME_OVERHEAD
         stop = body + length
-        if stop > end or not MIN_GROUP_LENGTH <= length <= MAX_GROUP_BYTES:
-            break
-        if crc(view[body:stop], length_seed(length)) != stored:
-            break
-        if mark != GROUP_MARK or not 0 < count <= (length - MARK_COUNT.size) // 5:
-            break
-        if _table_problem(length, count, sizes_struct(count).unpack_from(data, stop - 4 * count)):
-            break
+        if length < minimum:
+            return offset, records, framing.too_short.format(length=length, minimum=minimum)
+        if length > maximum:
+            return offset, records, f"{framing.noun} length {length} exceeds {maximum}"
+        if stop > end:
+            noun = framing.noun
+            return offset, records, f"{length}-byte {noun} runs {stop - end} bytes past end of file"
+        try:
+            seed = seeds[length]
+        except KeyError:
+            seed = length_seed(length)
+        computed = crc(view[body:stop], seed)
+        if computed != stored:
+            noun = framing.noun
+            why = f"{noun} CRC mismatch (stored {stored:#010x}, computed {computed:#010x})"
+            return offset, records, why
+        if count_records is None:
+            records += 1
+        else:
+            try:
+                records += count_records(data, body, stop)
+            except Invalid as exc:
+                return offset, records, str(exc)
         offset = stop
-        records += count
-    return offset, records
+    if offset > limit and offset != end:
+        return offset, records, _cut_short(end, offset)
+    return offset, records, None
+
+
+def frame_problem(framing: Framing, data: bytes, view: memoryview, offset: int) -> str | None:
+    """Why no valid frame starts at ``offset``, or None if one does."""
+    stop, _, why = check_frames(framing, data, view, offset, last=offset)
+    if stop != offset:
+        return None
+    return _cut_short(len(data), offset) if why is None else why  # None: at end of file
+
+
+def find_next_frame(data: bytes, view: memoryview, start: int) -> int | None:
+    """The first offset >= start where a valid format-1 frame begins, or None."""
+    end = len(data)
+    pos = start
+    while pos + FRAME_OVERHEAD < end:
+        zeros = data.find(_ZERO_RUN, pos)
+        # Inside a zero run no offset can hold a legal length, so the regex
+        # may stop there; it sees 3 bytes into the run so that a length field
+        # ending in zeros (01 00 00 00) just before it is still found.
+        limit = end if zeros < 0 else zeros + 3
+        for match in _CANDIDATE.finditer(data, pos, limit):
+            if frame_problem(RECORD_FRAMES, data, view, match.start()) is None:
+                return match.start()
+        if zeros < 0:
+            return None
+        nonzero = _NONZERO.search(data, zeros)
+        if nonzero is None:
+            return None
+        # A length field may start up to 3 zero bytes before a non-zero byte.
+        pos = nonzero.start() - 3
+    return None
 
 
 def find_next_group(data: bytes, view: memoryview, start: int) -> int | None:
@@ -492,10 +506,26 @@ def find_next_group(data: bytes, view: memoryview, start: int) -> int | None:
     """
     pos = data.find(GROUP_MARK_BYTE, start + FRAME_OVERHEAD)
     while pos >= 0:
-        if group_problem(data, view, pos - FRAME_OVERHEAD) is None:
+        if frame_problem(GROUP_FRAMES, data, view, pos - FRAME_OVERHEAD) is None:
             return pos - FRAME_OVERHEAD
         pos = data.find(GROUP_MARK_BYTE, pos + 1)
     return None
+
+
+# Format 1: a frame is a record. Format 2: a frame is a group of records.
+RECORD_FRAMES = Framing(
+    FORMAT_V1, "record", 1, MAX_RECORD_BYTES, "zero record length", None, find_next_frame
+)
+GROUP_FRAMES = Framing(
+    FORMAT_V2,
+    "group",
+    MIN_GROUP_LENGTH,
+    MAX_GROUP_BYTES,
+    "group length {length} is below {minimum}",
+    group_records,
+    find_next_group,
+)
+FRAMINGS = {FORMAT_V1: RECORD_FRAMES, FORMAT_V2: GROUP_FRAMES}
 
 
 def list_files(directory: Path, pattern: re.Pattern[str]) -> list[tuple[int, Path]]:
