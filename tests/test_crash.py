@@ -38,9 +38,7 @@ REPO: Final = Path(__file__).resolve().parents[1]
 # (``failpoint="node.write_done"``), which hits it once the events are journaled,
 # or a pure part is handed ``failpoints.corrupts`` and calls it as ``self._corrupts``
 # (the connector's share plan: pure modules never import the failpoints).
-HIT_LINE = re.compile(
-    r'(?:(?:failpoints\.|self\._)(?:hit|corrupts)\(|failpoint=)"([a-z_.]+)"'
-)
+HIT_LINE = re.compile(r'(?:(?:failpoints\.|self\._)(?:hit|corrupts)\(|failpoint=)"([a-z_.]+)"')
 # Every module of the daemon but the one that declares the failpoints (its
 # docstring shows a call): modules move, a fixed list would miss a new one.
 FAILPOINT_FILES: Final = sorted(

@@ -19,6 +19,7 @@ offending import; with the offending module emptied, it reports nothing.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -505,4 +506,96 @@ def test_a_large_or_unexplained_connector_module_is_reported() -> None:
     assert connector_module_problems(planted) == [
         "bare.py: no docstring",
         f"big.py: {CONNECTOR_MODULE_LINES + 1} lines",
+    ]
+
+
+# ------------------------------------- the node's parts take no Node in disguise
+
+
+def _members(cls: ast.ClassDef) -> set[str]:
+    """What a class declares: its methods, annotated fields and ``self.x =`` attributes."""
+    names = set()
+    for statement in cls.body:
+        if isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef):
+            names.add(statement.name)
+        elif isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
+            names.add(statement.target.id)
+    for node in ast.walk(cls):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+        ):
+            names.add(node.attr)
+    return names
+
+
+def _is_protocol(cls: ast.ClassDef) -> bool:
+    return any(
+        (isinstance(base, ast.Name) and base.id == "Protocol")
+        or (isinstance(base, ast.Attribute) and base.attr == "Protocol")
+        for base in cls.bases
+    )
+
+
+def node_protocol_problems(runtime: str, sources: dict[str, str], parts: set[str]) -> list[str]:
+    """Parts of the node that name a Protocol the Node implements (every member of the
+    Protocol is one of the Node's): the Node handed over under another type's name."""
+    classes = [c for c in ast.walk(ast.parse(runtime)) if isinstance(c, ast.ClassDef)]
+    node_members = _members(next(c for c in classes if c.name == "Node"))
+    disguises = {
+        cls.name
+        for text in sources.values()
+        for cls in ast.walk(ast.parse(text))
+        if isinstance(cls, ast.ClassDef) and _is_protocol(cls)
+        if (members := _members(cls)) and members <= node_members
+    }
+    return [
+        f"{name}: {protocol}"
+        for name in sorted(parts)
+        for protocol in sorted(disguises)
+        # A word match, not a walk of the names: string annotations count too.
+        if re.search(rf"\b{protocol}\b", sources[name])
+    ]
+
+
+def test_no_part_of_the_node_takes_a_protocol_the_node_implements() -> None:
+    sources = {
+        str(path.relative_to(REPO)): path.read_text() for path in (REPO / "daemon").rglob("*.py")
+    }
+    parts = {
+        name
+        for name in sources
+        if name.startswith("daemon/node/") and name != "daemon/node/runtime.py"
+    }
+    assert len(parts) > 10
+    runtime = sources["daemon/node/runtime.py"]
+    assert node_protocol_problems(runtime, sources, parts) == []
+
+
+def test_a_protocol_the_node_implements_is_reported() -> None:
+    runtime = (
+        "class Node:\n"
+        "    def __init__(self):\n        self.status_doc = {}\n"
+        "    def status(self): ...\n"
+        "    def engine_disconnected(self, session): ...\n"
+    )
+    server = (
+        "from typing import Protocol\n"
+        "class EngineApi(Protocol):\n"
+        "    def status(self): ...\n"
+        "    def engine_disconnected(self, session): ...\n"
+        "class Other(Protocol):\n"
+        "    def status(self): ...\n"
+        "    def handlers(self): ...\n"
+        "class EngineServer:\n"
+        "    def __init__(self, api: EngineApi, other: Other): ...\n"
+    )
+    quoted = "class Windows:\n    def __init__(self, api: 'EngineApi'): ...\n"
+    sources = {"server.py": server, "windows.py": quoted, "fine.py": "x = 1\n"}
+    parts = {"server.py", "windows.py", "fine.py"}
+    assert node_protocol_problems(runtime, sources, parts) == [
+        "server.py: EngineApi",
+        "windows.py: EngineApi",
     ]
