@@ -19,9 +19,11 @@ from hypothesis import strategies as st
 from daemon.client.vllm.layout import rank_fingerprint, rank_map_problem, split_tp
 from daemon.client.vllm.loads import Load
 from daemon.client.vllm.params import (
-    CONCURRENT,
+    PARAMS_VERSION,
+    Dispatched,
+    PrefillAnswer,
     adopt_dispatch,
-    prefill_answer,
+    read_leg,
     receive_spec,
     router_transfer_id,
 )
@@ -89,11 +91,11 @@ def _pushed_and_loaded(
             assert share.engine_id, share
             assert share.transfer_id not in pushed, "two prefill ranks push one share"
             pushed[share.transfer_id] = _engine(plan, share)
-    params = prefill_answer("T", "p", "h:1", msgspec.to_builtins(prefill), (by_tp, 1), 5, "d")
+    leg = _answer(prefill, (by_tp, 1))
     loaded: dict[str, tuple[tuple[int, int], int]] = {}
     for rank in range(decode_tp):
         plan = _plan("D", decode, rank)
-        receive = receive_spec("r", params, ((5, 6),))
+        receive = receive_spec("r", leg, ((5, 6),))
         shares = [plan.receiver(receive, source) for source in plan.sources(receive)]
         shares += plan.unread(receive)
         for share in shares:
@@ -183,13 +185,71 @@ def test_per_group_names_every_group_even_with_no_block() -> None:
     assert per_group(((1, 2), (3,)), 2) == [[1, 2], [3]]
 
 
+def _answer(prefill: Fingerprint, splits: tuple[int, int] = (1, 1)) -> PrefillAnswer:
+    return PrefillAnswer(PARAMS_VERSION, "T", "p", "h:1", prefill, *splits, 7, "d")
+
+
 def test_the_prefill_answer_reads_back_as_the_decode_load() -> None:
-    prefill = _instance(2, 4)
-    params = prefill_answer("T", "p", "h:1", msgspec.to_builtins(prefill), (2, 1), 7, "d")
-    spec = receive_spec("r", params, ((3,),), content="c")
+    answer = _answer(_instance(2, 4), (2, 1))
+    params = answer.to_params()
+    # What a router carries is plain JSON, under kvpushd_* keys beside vLLM's own.
+    assert msgspec.json.decode(msgspec.json.encode(params)) == params
+    assert params["kvpushd_version"] == PARAMS_VERSION and params["do_remote_prefill"] is True
+    assert read_leg(params) == answer
+    spec = receive_spec("r", answer, ((3,),), content="c")
     assert (spec.transfer_id, spec.peer, spec.peer_address) == ("T", "p", "h:1")
     assert (spec.source_ranks, spec.source_stages, spec.shares_tp) == (2, 1, 2)
-    assert params["kvpushd_prompt_len"] == 7 and params["do_remote_prefill"] is True
+
+
+# Each way a router (or anything between the legs) could hand the decode a
+# field it cannot trust: dropped, mistyped, out of range, another version.
+TAMPERED = st.sampled_from(sorted(_answer(_instance(1, 4)).to_params())).flatmap(
+    lambda key: st.tuples(
+        st.just(key),
+        st.one_of(
+            st.just(KeyError),
+            st.none(),
+            st.booleans(),
+            st.integers(-(2**70), 2**70),
+            st.floats(allow_nan=False),
+            st.text(max_size=3),
+            st.lists(st.integers(), max_size=2),
+        ),
+    )
+)
+
+
+@given(TAMPERED)
+def test_a_tampered_answer_reads_as_the_same_answer_or_as_why_not(
+    tampered: tuple[str, object],
+) -> None:
+    """Never a guess: a decode reads the prefill's answer as it is, or refuses it with a reason."""
+    key, value = tampered
+    answer = _answer(_instance(1, 4))
+    params = answer.to_params()
+    if value is KeyError:
+        del params[key]
+    else:
+        params[key] = value
+    leg = read_leg(params)
+    if isinstance(leg, str):
+        assert leg.startswith("the prefill")
+    else:
+        # Read exactly as it stands: nothing dropped, defaulted or coerced (a
+        # well-typed other value, such as another digest, is the content
+        # checks' to refuse, and test_pd_never_wrong's).
+        assert _ours(leg.to_params()) == _ours(params)
+        assert all(type(v) is type(answer.to_params()[k]) for k, v in _ours(params).items())
+
+
+def _ours(params: dict[str, object]) -> dict[str, object]:
+    return {k: v for k, v in params.items() if k.startswith("kvpushd_")}
+
+
+def test_an_answer_of_another_version_says_which() -> None:
+    params = _answer(_instance(1, 4)).to_params() | {"kvpushd_version": PARAMS_VERSION + 1}
+    leg = read_leg(params)
+    assert isinstance(leg, str) and f"version {PARAMS_VERSION + 1}" in leg
 
 
 @pytest.mark.parametrize(
@@ -226,7 +286,8 @@ def test_a_dispatch_leg_becomes_the_fields_the_decode_reads() -> None:
         "tp_size": 2,
     }
     assert adopt_dispatch(params) is None
-    assert params[CONCURRENT] is True
-    spec = receive_spec("r", params, ())
+    leg = read_leg(params)
+    assert leg == Dispatched(True, "t1", "p", "h:9", 2, 1)
+    spec = receive_spec("r", leg, ())
     assert (spec.transfer_id, spec.peer_address, spec.source_ranks) == ("t1", "h:9", 2)
     assert router_transfer_id({"transfer_id": "x" * 201}) is None

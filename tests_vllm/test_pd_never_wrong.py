@@ -245,3 +245,64 @@ def test_a_decode_daemon_outage_does_not_pin_the_prefills_blocks(pd: PD) -> None
     sent = prefill_leg(p, prompt)
     assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
     assert _external(d) - before >= len(prompt) - 1
+
+
+# What a router (or anything between the legs) may do to the prefill's answer
+# that leaves nothing to trust: drop a field, retype one, send another version.
+TAMPERED = (
+    ("kvpushd_version", None),
+    ("kvpushd_version", 2),
+    ("kvpushd_node", None),
+    ("kvpushd_split_tp", "1"),
+)
+
+
+def test_an_answer_with_a_field_dropped_retyped_or_of_another_version_is_computed(
+    pd: PD,
+) -> None:
+    """Never a guess: the decode computes the prompt, says why, and serves on.
+
+    Nothing tells the prefill's daemon (its name may be what is missing):
+    its push ends at its ``registered`` deadline, and its journal says so.
+    """
+    p, d, prefill, decode = pd
+    rng = random.Random(404)
+
+    def by_params() -> float:
+        return d.metrics().total("vllm:kvpushd_not_loaded_total", why="params")
+
+    counted = by_params()
+    transfers = []
+    for key, value in TAMPERED:
+        prompt = [rng.randrange(2, 512) for _ in range(80)]
+        single = p.complete(prompt, TOKENS).token_ids
+        sent = prefill_leg(p, prompt)
+        transfers.append(sent["kvpushd_transfer_id"])
+        if value is None:
+            del sent[key]
+        else:
+            sent[key] = value
+        before = _external(d)
+        assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single, key
+        assert _external(d) == before, key
+    deadline = time.monotonic() + 15  # stats reach /metrics with the engine's next steps
+    while by_params() < counted + len(TAMPERED):
+        assert time.monotonic() < deadline, "the params refusals did not reach /metrics"
+        time.sleep(0.2)
+    log = d.log.read_text(errors="replace")
+    assert "params version 2; this connector reads version 1" in log
+    assert "kvpushd_version" in log and "kvpushd_node" in log and "kvpushd_split_tp" in log
+    # The decode still loads an answer left as it was.
+    prompt = [rng.randrange(2, 512) for _ in range(80)]
+    single = p.complete(prompt, TOKENS).token_ids
+    before = _external(d)
+    sent = prefill_leg(p, prompt)
+    assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
+    assert _external(d) - before >= len(prompt) - 1
+    wait_idle(prefill, decode, timeout=45)  # the tampered pushes' registered deadline (30 s)
+    for transfer in transfers:
+        (failed,) = [e for e in prefill.journal_events(transfer) if isinstance(e, Failed)]
+        assert failed.reason is Reason.DEADLINE_EXCEEDED, (transfer, failed)
+        assert decode.journal_events(transfer) == []
+    p.wait_kv_usage_zero()
+    d.wait_kv_usage_zero()

@@ -1,60 +1,95 @@
 """The router parameters protocol: what travels in a request's ``kv_transfer_params``.
 
-A prefill instance answers a finished request with the fields a decode
-instance needs to load its KV (``prefill_answer``); a router copies them
-into the decode leg. A router may instead send both legs at once (vLLM's
-push-mode proxy), naming the transfer and the prefill's daemon itself
-(``adopt_dispatch`` turns that into the same fields). ``receive_spec``
-reads them on the decode side. Pure: no vLLM, no torch, no I/O.
+A prefill instance answers a finished request with a ``PrefillAnswer``:
+the fields a decode instance needs to load its KV, under ``kvpushd_*``
+keys, with the protocol's version. A router copies them into the decode
+leg, and the decode reads them back through the same Struct
+(``read_leg``): a missing, mistyped or other-version field is a clear
+reason to compute the prompt, never a guess. A router may instead send
+both legs at once (vLLM's push-mode proxy), naming the transfer and the
+prefill's daemon in vLLM's own fields (``Dispatch``); ``adopt_dispatch``
+reads those and records a ``Dispatched`` leg in the same params. The
+prefill leg's hints (the decode's TP and PP sizes, a router's transfer
+id) stay tolerant: an unreadable hint means the prefill's own sizes, or
+the request's id. Pure: no vLLM, no torch, no I/O.
 """
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Annotated, Any, Final, Literal
 
-from daemon.client.vllm.layout import Blocks, rank_count
+import msgspec
+
+from daemon.client.vllm.layout import MAX_RANKS, Blocks, rank_count
 from daemon.client.vllm.specs import ReceiveSpec
+from schemas.fingerprint import Fingerprint
 
-# A decode leg sent at once with the prefill's, as the connector took it
-# (adopt_dispatch): the prefill's sizes the router named.
-CONCURRENT: Final = "kvpushd_concurrent"
-SOURCE_TP: Final = "kvpushd_source_tp"
-SOURCE_PP: Final = "kvpushd_source_pp"
-# In the prefill's answer: the TP and PP sizes its shares are named by.
-TP_SPLIT: Final = "kvpushd_split_tp"
-PP_SPLIT: Final = "kvpushd_split_pp"
+# The version of the fields below. A decode reads only its own: a prefill of
+# another version computes the prompt there (both sides upgrade together).
+PARAMS_VERSION: Final = 1
 MAX_TRANSFER_ID: Final = 200
 
-
-def prefill_answer(
-    transfer_id: str,
-    node: str,
-    address: str,
-    fingerprint: Any,
-    splits: tuple[int, int],
-    prompt_len: int,
-    digest: str,
-) -> dict[str, Any]:
-    """What a prefill request that pushes hands its router for the decode leg."""
-    by_tp, by_pp = splits
-    return {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "kvpushd_transfer_id": transfer_id,
-        "kvpushd_node": node,
-        "kvpushd_address": address,
-        "kvpushd_fingerprint": fingerprint,
-        TP_SPLIT: by_tp,
-        PP_SPLIT: by_pp,
-        # Which prompt the KV is of: the decode side checks it is its own.
-        "kvpushd_prompt_len": prompt_len,
-        "kvpushd_prompt_digest": digest,
-    }
+RankCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]
+TransferId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TRANSFER_ID)]
+NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
 
 
-def split_of(params: dict[str, Any], key: str) -> int | None:
-    """The TP or PP size the prefill named its shares by (None: unsaid or unreadable, its own)."""
-    return rank_count(params.get(key))
+def _kvpushd_key(name: str) -> str:
+    return f"kvpushd_{name}"
+
+
+class PrefillAnswer(msgspec.Struct, frozen=True, rename=_kvpushd_key):
+    """What a prefill request that pushed hands its router for the decode leg.
+
+    ``split_tp``/``split_pp``: the TP and PP sizes the prefill named its
+    shares by (the decode's, when the router named them and the ranks map;
+    its own otherwise). ``prompt_len``/``prompt_digest``: which prompt the
+    KV is of; the decode checks it is its own.
+    """
+
+    version: int
+    transfer_id: TransferId
+    node: NonEmpty
+    address: str
+    fingerprint: Fingerprint
+    split_tp: RankCount
+    split_pp: RankCount
+    prompt_len: Annotated[int, msgspec.Meta(ge=0)]
+    prompt_digest: str
+
+    def to_params(self) -> dict[str, Any]:
+        """The answer as kv_transfer_params: a decode leg that loads it."""
+        fields: dict[str, Any] = msgspec.to_builtins(self)
+        return {"do_remote_prefill": True, "do_remote_decode": False, **fields}
+
+
+class Dispatched(msgspec.Struct, frozen=True, rename=_kvpushd_key):
+    """A decode leg sent at once with the prefill's, as the connector took it.
+
+    The prefill has not answered: no fingerprint or prompt to compare here
+    (the daemon checks both at the pairing); the prefill's sizes are the
+    ones the router named.
+    """
+
+    concurrent: Literal[True]
+    transfer_id: TransferId
+    node: NonEmpty
+    address: NonEmpty
+    source_tp: RankCount
+    source_pp: RankCount
+
+
+class Dispatch(msgspec.Struct, frozen=True):
+    """The fields vLLM's push-mode proxy sends on a decode leg (vLLM's names)."""
+
+    transfer_id: TransferId
+    remote_engine_id: NonEmpty
+    remote_host: NonEmpty
+    remote_port: Annotated[int, msgspec.Meta(gt=0, lt=65536)]
+
+
+# What a decode leg names: the prefill's answer, or a dispatched leg.
+Leg = PrefillAnswer | Dispatched
 
 
 def router_transfer_id(params: dict[str, Any]) -> str | None:
@@ -70,56 +105,69 @@ def adopt_dispatch(params: dict[str, Any]) -> str | None:
 
     It names the transfer (``transfer_id``), the prefill daemon's node
     (``remote_engine_id``) and peer address (``remote_host``,
-    ``remote_port``), and the prefill's TP and PP sizes; no block ids. In
-    place, it becomes the kvpushd fields the rest reads. Returns why not,
-    if the leg is not usable.
+    ``remote_port``), and the prefill's TP and PP sizes (``tp_size``,
+    ``pp_size``; 1 when unsaid); no block ids. In place, it becomes a
+    ``Dispatched`` leg. Returns why not, changing nothing, if the leg is
+    not usable.
     """
-    transfer_id = router_transfer_id(params)
-    node, host, port = (params.get(k) for k in ("remote_engine_id", "remote_host", "remote_port"))
-    if transfer_id is None:
+    if router_transfer_id(params) is None:
         return f"the router's transfer_id {params.get('transfer_id')!r} is not usable"
-    if not isinstance(node, str) or not node or not isinstance(host, str) or not host:
-        return "the router named no prefill node (remote_engine_id) or address (remote_host)"
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-        return f"the router named no usable prefill port (remote_port {port!r})"
-    params.update(
-        {
-            "kvpushd_transfer_id": transfer_id,
-            "kvpushd_node": node,
-            "kvpushd_address": f"{host}:{port}",
-            CONCURRENT: True,
-            SOURCE_TP: rank_count(params.get("tp_size")) or 1,
-            SOURCE_PP: rank_count(params.get("pp_size")) or 1,
-        }
+    try:
+        sent = msgspec.convert(params, Dispatch)
+    except msgspec.ValidationError as exc:
+        return f"the router's push-mode fields are not usable ({exc})"
+    leg = Dispatched(
+        True,
+        sent.transfer_id,
+        sent.remote_engine_id,
+        f"{sent.remote_host}:{sent.remote_port}",
+        rank_count(params.get("tp_size")) or 1,
+        rank_count(params.get("pp_size")) or 1,
     )
+    params.update(msgspec.to_builtins(leg))
     return None
+
+
+def read_leg(params: dict[str, Any]) -> Leg | str:
+    """The leg a decode request's params name, or why they name none usable."""
+    try:
+        if params.get(_kvpushd_key("concurrent")):
+            return msgspec.convert(params, Dispatched)
+        answer = msgspec.convert(params, PrefillAnswer)
+    except msgspec.ValidationError as exc:
+        return f"the prefill's answer is not readable ({exc})"
+    if answer.version != PARAMS_VERSION:
+        return (
+            f"the prefill answered in params version {answer.version}; "
+            f"this connector reads version {PARAMS_VERSION}"
+        )
+    return answer
 
 
 def receive_spec(
     request_id: str,
-    params: dict[str, Any],
+    leg: Leg,
     block_ids: Blocks,
     *,
     paired: bool = True,
     content: str = "",
 ) -> ReceiveSpec:
-    """The load a decode request's params describe, into ``block_ids``."""
-    sent = params.get("kvpushd_fingerprint")
-    if params.get(CONCURRENT):
-        ranks, stages = params[SOURCE_TP], params[SOURCE_PP]
+    """The load a decode request's leg describes, into ``block_ids``."""
+    if isinstance(leg, Dispatched):
+        ranks, stages, split_tp = leg.source_tp, leg.source_pp, leg.source_tp
     else:
-        sizes = [sent.get(k, 1) if isinstance(sent, dict) else 1 for k in ("tp_size", "pp_size")]
-        ranks, stages = (rank_count(n) or 1 for n in sizes)
+        ranks, stages = leg.fingerprint.tp_size, leg.fingerprint.pp_size
+        # Shares split for this instance's ranks or stages look like a prefill of its sizes.
+        split_tp, stages = leg.split_tp, leg.split_pp
     return ReceiveSpec(
         request_id,
-        str(params["kvpushd_transfer_id"]),
+        leg.transfer_id,
         block_ids,
-        str(params["kvpushd_node"]),
-        str(params.get("kvpushd_address", "")),
+        leg.node,
+        leg.address,
         ranks,
         paired=paired,
-        # Shares split for this instance's stages look like a prefill of its PP.
-        source_stages=split_of(params, PP_SPLIT) or stages,
-        split_tp=split_of(params, TP_SPLIT) or ranks,
+        source_stages=stages,
+        split_tp=split_tp,
         content=content,
     )

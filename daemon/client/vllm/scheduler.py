@@ -40,16 +40,14 @@ from daemon.client.vllm.layout import (
 )
 from daemon.client.vllm.metadata import KvpushdConnectorMetadata
 from daemon.client.vllm.params import (
-    CONCURRENT,
-    PP_SPLIT,
-    SOURCE_PP,
-    SOURCE_TP,
-    TP_SPLIT,
+    PARAMS_VERSION,
+    Dispatched,
+    Leg,
+    PrefillAnswer,
     adopt_dispatch,
-    prefill_answer,
+    read_leg,
     receive_spec,
     router_transfer_id,
-    split_of,
 )
 from daemon.client.vllm.specs import PushSpec, remember
 from schemas.fingerprint import Fingerprint
@@ -106,7 +104,6 @@ class SchedulerSide:
         self._address = address
         self._block_size = block_size
         self._fingerprint = fingerprint
-        self._sent_fingerprint = msgspec.to_builtins(fingerprint)
         self._pending = KvpushdConnectorMetadata()
         # Live pushes: request id -> its transfer id, and back (one live
         # push per transfer id).
@@ -115,9 +112,10 @@ class SchedulerSide:
         self._loading: set[str] = set()
         # Transfer ids a receiver was registered for, oldest first (bounded).
         self._received: dict[str, None] = {}
-        # Transfer id -> the one request that may load it (bounded): a second
-        # request with the same params (a retry, a hedge) computes its prompt.
-        self._claims: dict[str, str] = {}
+        # Transfer id -> the one request that may load it, and the leg it read
+        # (bounded): a second request with the same params (a retry, a hedge)
+        # computes its prompt.
+        self._claims: dict[str, tuple[str, Leg]] = {}
         self.stats = vs.KvpushdStats()
 
     def new_request(self, request: Request) -> None:
@@ -158,12 +156,12 @@ class SchedulerSide:
         if not params.get("kvpushd_transfer_id"):
             return 0, False
         transfer_id = str(params["kvpushd_transfer_id"])
-        owner = self._claims.get(transfer_id)
-        if owner == request.request_id:
+        owner, claimed = self._claims.get(transfer_id, (None, None))
+        if owner == request.request_id and claimed is not None:
             # Checked when it claimed the transfer (vLLM asks again every step
             # the request waits for blocks; the prompt's digest is not free).
             # Still waiting: the prefill's push must wait too.
-            self._hold(transfer_id, request, params)
+            self._hold(transfer_id, request, claimed)
             return self._external_tokens(request, num_computed_tokens)
         if owner is not None:
             # The transfer is the other request's: nothing of it is this one's to end.
@@ -171,7 +169,13 @@ class SchedulerSide:
                 request, params, (vs.DUPLICATE, f"transfer {transfer_id} is loaded by {owner}")
             )
             return 0, False
-        why = self._why_not(request, params)
+        leg = read_leg(params)
+        if isinstance(leg, str):
+            # Nothing names the prefill's daemon for sure: nobody is told, and
+            # its push ends at its deadline.
+            self._compute_here(request, params, (vs.PARAMS, leg))
+            return 0, False
+        why = self._why_not(request, leg)
         if why is not None:
             # Never KV from other weights, another layout or another prompt:
             # this instance computes the prompt. A receiver with no block still
@@ -181,14 +185,12 @@ class SchedulerSide:
             self._compute_here(request, params, why)
             if self._first_time(transfer_id):
                 paired = why[0] != vs.FINGERPRINT
-                self._pending.forgo.append(
-                    receive_spec(request.request_id, params, (), paired=paired)
-                )
+                self._pending.forgo.append(receive_spec(request.request_id, leg, (), paired=paired))
             return 0, False
-        remember(self._claims, transfer_id, request.request_id)
+        remember(self._claims, transfer_id, (request.request_id, leg))
         return self._external_tokens(request, num_computed_tokens)
 
-    def _hold(self, transfer_id: str, request: Request, params: dict[str, Any]) -> None:
+    def _hold(self, transfer_id: str, request: Request, leg: Leg) -> None:
         """Keep the prefill's push of a transfer waiting while this request queues for blocks.
 
         Sent at most every ``hold_every_s`` (each hold lengthens the push's
@@ -200,7 +202,7 @@ class SchedulerSide:
         if last is not None and now - last < self._hold_every_s:
             return
         remember(self._held, transfer_id, now)
-        self._pending.hold.append(receive_spec(request.request_id, params, ()))
+        self._pending.hold.append(receive_spec(request.request_id, leg, ()))
 
     def _external_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         count = self._loaded_len(request) - num_computed_tokens
@@ -216,8 +218,8 @@ class SchedulerSide:
         self.stats.not_loaded(kind)
         params["do_remote_prefill"] = False
 
-    def _why_not(self, request: Request, params: dict[str, Any]) -> tuple[str, str] | None:
-        """Why the prefill's KV (as ``params`` describe it) is not this request's, or None.
+    def _why_not(self, request: Request, leg: Leg) -> tuple[str, str] | None:
+        """Why the prefill's KV (as its ``leg`` describes it) is not this request's, or None.
 
         (What kind of reason, for the stats; what happened, for the log.)
         """
@@ -233,21 +235,19 @@ class SchedulerSide:
                 f"recurrent state: the decode computes its last token itself, and no state "
                 f"of the tokens before it exists"
             )
-        if params.get(CONCURRENT):
+        if isinstance(leg, Dispatched):
             # Both legs at once: the prefill has not answered, so there is no
             # fingerprint or prompt digest to compare here. The daemon checks
             # both at the pairing (the engines' fingerprints, the content
             # each side registers); this side checks only that the ranks map.
-            sizes = {"tp_size": params[SOURCE_TP], "pp_size": params[SOURCE_PP]}
-            sent_shape = msgspec.structs.replace(self._fingerprint, **sizes)
+            sent_shape = msgspec.structs.replace(
+                self._fingerprint, tp_size=leg.source_tp, pp_size=leg.source_pp
+            )
             unmappable = rank_map_problem(sent_shape, self._fingerprint)
             if unmappable is not None:
                 return vs.FINGERPRINT, f"the two instances' ranks do not pair: {unmappable}"
             return None
-        try:
-            sent = msgspec.convert(params.get("kvpushd_fingerprint"), Fingerprint)
-        except msgspec.ValidationError as exc:
-            return vs.FINGERPRINT, f"the prefill's KV fingerprint is missing or unreadable ({exc})"
+        sent = leg.fingerprint
         difference = first_difference(sent, self._fingerprint, ignore=ACROSS_RANKS)
         if difference is not None:
             field_name, theirs, ours = difference
@@ -255,9 +255,7 @@ class SchedulerSide:
                 f"the prefill's KV fingerprint differs in {field_name} (prefill {theirs!r}, "
                 f"this instance {ours!r})"
             )
-        unmappable = rank_map_problem(
-            sent, self._fingerprint, split_of(params, TP_SPLIT), split_of(params, PP_SPLIT)
-        )
+        unmappable = rank_map_problem(sent, self._fingerprint, leg.split_tp, leg.split_pp)
         if unmappable is not None:
             return vs.FINGERPRINT, f"the two instances' ranks do not pair: {unmappable}"
         prompt = request.prompt_token_ids
@@ -265,12 +263,12 @@ class SchedulerSide:
             return vs.PROMPT, "the request has no prompt token ids to compare with the prefill's"
         # With recurrent state the prefill computed all but the last token.
         loaded = self._loaded_len(request)
-        if params.get("kvpushd_prompt_len") != loaded:
+        if leg.prompt_len != loaded:
             return vs.PROMPT, (
-                f"the prefill computed a prompt of {params.get('kvpushd_prompt_len')!r} tokens, "
+                f"the prefill computed a prompt of {leg.prompt_len} tokens, "
                 f"this request loads {loaded} of its {len(prompt)}"
             )
-        if params.get("kvpushd_prompt_digest") != prompt_digest(prompt[:loaded]):
+        if leg.prompt_digest != prompt_digest(prompt[:loaded]):
             return vs.PROMPT, "the prefill computed another prompt of the same length"
         return None
 
@@ -295,11 +293,14 @@ class SchedulerSide:
             log.error("kvpushd: %s: %s", request.request_id, exc)
             named = tuple((0, tuple(ids)) for ids in blocks.get_unhashed_block_ids_all_groups())
             content = f"unpaired: {exc}"
-        self._first_time(str(params["kvpushd_transfer_id"]))
-        self._held.pop(str(params["kvpushd_transfer_id"]), None)
+        # The leg this request read when it claimed the transfer, in this step
+        # (vLLM allocates right after it asks how many tokens are external).
+        _, leg = self._claims[str(params["kvpushd_transfer_id"])]
+        self._first_time(leg.transfer_id)
+        self._held.pop(leg.transfer_id, None)
         self._loading.add(request.request_id)
         self._pending.receive.append(
-            receive_spec(request.request_id, params, ids_of(named), content=content)
+            receive_spec(request.request_id, leg, ids_of(named), content=content)
         )
 
     def finished(
@@ -322,8 +323,11 @@ class SchedulerSide:
             # end its push now (nothing is written) instead of at its deadline.
             # Once per transfer: the copy also comes for a request that loaded.
             params["do_remote_prefill"] = False
-            if self._first_time(str(params["kvpushd_transfer_id"])):
-                self._pending.forgo.append(receive_spec(request.request_id, params, ()))
+            leg = read_leg(params)
+            # An unreadable leg names no prefill daemon to tell: its push ends
+            # at its deadline.
+            if not isinstance(leg, str) and self._first_time(leg.transfer_id):
+                self._pending.forgo.append(receive_spec(request.request_id, leg, ()))
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
@@ -391,15 +395,18 @@ class SchedulerSide:
         )
         self._pushing[request.request_id] = transfer_id
         self._push_owners[transfer_id] = request.request_id
-        return True, prefill_answer(
+        answer = PrefillAnswer(
+            PARAMS_VERSION,
             transfer_id,
             self._node,
             self._address,
-            self._sent_fingerprint,
-            (by_tp, by_pp),
+            self._fingerprint,
+            by_tp,
+            by_pp,
             len(request.prompt_token_ids),
             digest,
         )
+        return True, answer.to_params()
 
     def _splits(self, params: dict[str, Any]) -> tuple[int, int]:
         """The decode's TP and PP sizes this instance splits its push for (0: its own)."""
