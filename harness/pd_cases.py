@@ -22,7 +22,7 @@ import enum
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 # The prefill leg's max_tokens: the contract says 1; routers send more.
 PREFILL_MAX_TOKENS: Final = (1, 2, 5)
@@ -49,6 +49,8 @@ class RouterFault(enum.Enum):
     ABORT_PREFILL_MID = "abort_prefill_mid"  # ... after the first streamed chunk
     ABORT_DECODE_EARLY = "abort_decode_early"
     ABORT_DECODE_MID = "abort_decode_mid"
+    # One field of the decode leg's params dropped or retyped (a router's bug).
+    ANSWER_TAMPERED = "answer_tampered"
 
 
 class SystemFault(enum.Enum):
@@ -100,7 +102,8 @@ class Case:
     # Seconds: when an abort happens after its leg's first byte was asked
     # for, or how long a delayed decode leg waits past the deadline.
     fault_s: float = 0.0
-    # Where PROMPT_DIFFERS changes the decode leg's prompt (an index).
+    # Where PROMPT_DIFFERS changes the decode leg's prompt (an index), and
+    # which field ANSWER_TAMPERED drops or retypes (the same draw).
     differs_at: int = 0
 
     def prompt(self, vocab_size: int) -> list[int]:
@@ -238,6 +241,38 @@ def draw_run(seed: int, cases: int, model: Model, mix: Mix | None = None) -> lis
             )
         )
     return batches
+
+
+# The decode leg's fields a connector must refuse to load from, once dropped
+# or retyped: every kvpushd_* field of the prefill's answer, and what vLLM's
+# push-mode proxy names the prefill by. (Dropped, the prefill's sizes mean
+# 1, and do_remote_prefill means a request that loads nothing.)
+NAMES_THE_PREFILL: Final = ("remote_engine_id", "remote_host", "remote_port", "transfer_id")
+SIZES: Final = ("tp_size", "pp_size")
+
+
+def tamper(params: dict[str, Any], at: int) -> tuple[dict[str, Any], str, bool]:
+    """The decode leg's ``params`` with one field dropped or retyped (ANSWER_TAMPERED).
+
+    Which field and how come from ``at``: the same case, the same tamper.
+    Returns the params, the field, and whether the connector must refuse
+    to load (the decode then computes its prompt).
+    """
+    keys = sorted(k for k in params if k != "do_remote_decode")
+    key = keys[at % len(keys)]
+    dropped = (at // len(keys)) % 2 == 0
+    changed = dict(params)
+    if dropped:
+        del changed[key]
+    else:
+        changed[key] = [changed[key]]  # a list fits no field of the contract
+    refused = (
+        key.startswith("kvpushd_")
+        or key in NAMES_THE_PREFILL
+        or (key in SIZES and not dropped)
+        or (key == "do_remote_prefill" and dropped)
+    )
+    return changed, key, refused
 
 
 def find_case(batches: list[Batch], index: int) -> tuple[Batch, Case]:

@@ -49,6 +49,7 @@ from harness.pd_cases import (
     SystemFault,
     allowed,
     is_clean,
+    tamper,
 )
 from harness.pd_cases import shrink as shrink_candidates
 from harness.vllm_servers import (
@@ -247,6 +248,9 @@ class CaseRun:
     case: Case
     legs: list[Leg] = field(default_factory=list)
     transfer_id: str | None = None
+    # ANSWER_TAMPERED: the field changed, and whether no load may come of it.
+    tampered: str | None = None
+    must_compute: bool = False
 
 
 def _body(
@@ -354,6 +358,8 @@ def run_case(ctx: Context, case: Case) -> CaseRun:
         return call(p, name, pbody, request_id)
 
     def decode_leg(params: dict[str, Any] | None, name: str = "decode") -> Leg:
+        if case.fault is RouterFault.ANSWER_TAMPERED and params is not None:
+            params, run.tampered, run.must_compute = tamper(params, case.differs_at)
         body = _body(decode_prompt, case.decode_max_tokens, params)
         if case.fault is RouterFault.DECODE_DELAYED:
             time.sleep(REGISTERED_S + case.fault_s)
@@ -422,6 +428,8 @@ def judge_case(ctx: Context, run: CaseRun, batch: Batch, loaded: set[str]) -> li
     want_prefill = ctx.oracle.answers(prompt, max_tokens, **fields)
     want_decode = ctx.oracle.answers(case.decode_prompt(vocab), case.decode_max_tokens)
     permitted = allowed(case, batch, ctx.model)
+    if run.must_compute:  # never a load from params the connector cannot trust
+        permitted -= {Outcome.REMOTE}
     if want_prefill is None:  # vLLM refuses the prefill leg: nothing is pushed
         permitted |= {Outcome.LOCAL}
         if case.dispatch is Dispatch.PREFILL_FIRST:
@@ -454,7 +462,8 @@ def judge_case(ctx: Context, run: CaseRun, batch: Batch, loaded: set[str]) -> li
         if outcome is not Outcome.WRONG and outcome not in permitted:
             found.append(Finding(
                 f"outcome-{outcome.value}",
-                f"allowed {sorted(o.value for o in permitted)} (transfer {run.transfer_id})",
+                f"allowed {sorted(o.value for o in permitted)} (transfer {run.transfer_id}"
+                + (f", {run.tampered} tampered)" if run.tampered else ")"),
                 case,
             ))  # fmt: skip
     return found

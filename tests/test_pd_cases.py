@@ -25,6 +25,7 @@ from harness.pd_cases import (
     draw_run,
     find_case,
     shrink,
+    tamper,
 )
 
 MODEL = Model(block_size=32, max_model_len=1024, vocab_size=512)
@@ -120,3 +121,50 @@ def test_every_shrunk_variant_runs_alone_and_is_no_larger(seed: int) -> None:
         assert smaller.prefix_blocks * MODEL.block_size <= smaller.prompt_len - 1
         assert alone.system in (batch.system, SystemFault.NONE)
         assert smaller.index == case.index
+
+
+# What each dispatch hands the decode leg: the prefill's answer, or vLLM's
+# push-mode fields (as harness/pd_fuzz.py sends them).
+def _answer_params() -> dict[str, object]:
+    from daemon.client.vllm.params import PARAMS_VERSION, PrefillAnswer
+    from schemas.fingerprint import Fingerprint
+
+    fingerprint = Fingerprint("m", num_layers=2, num_kv_heads=2)
+    return PrefillAnswer(PARAMS_VERSION, "T", "p", "h:1", fingerprint, 1, 1, 7, "d").to_params()
+
+
+DISPATCH_PARAMS = {
+    "do_remote_decode": False,
+    "do_remote_prefill": True,
+    "remote_engine_id": "prefill",
+    "remote_host": "127.0.0.1",
+    "remote_port": 9000,
+    "tp_size": 1,
+    "pp_size": 1,
+    "remote_request_id": "r",
+    "transfer_id": "xfer-r",
+}
+
+
+@given(st.integers(0, 10_000), st.booleans())
+def test_a_tamper_the_fuzzer_says_must_be_refused_is_refused_by_the_connector(
+    at: int, dispatched: bool
+) -> None:
+    """The fuzzer's rule (no load may come of it) agrees with what the connector reads.
+
+    Without vLLM: the connector's params module (pure) reads the tampered
+    leg as the scheduler does; a leg it reads is one it may load.
+    """
+    from daemon.client.vllm.params import adopt_dispatch, read_leg
+
+    params = dict(DISPATCH_PARAMS) if dispatched else _answer_params()
+    changed, key, refused = tamper(params, at)
+    assert key in params and changed != params
+    assert tamper(params, at) == (changed, key, refused)  # the same case, the same tamper
+    wants_load = bool(changed.get("do_remote_prefill"))
+    if dispatched and wants_load:
+        # The scheduler adopts a leg that names a transfer; none named, nothing loads.
+        readable = "transfer_id" in changed and adopt_dispatch(changed) is None
+    else:
+        readable = wants_load and not isinstance(read_leg(changed), str)
+    assert readable is not refused, (key, changed)

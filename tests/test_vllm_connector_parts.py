@@ -259,6 +259,8 @@ def test_an_answer_of_another_version_says_which() -> None:
         ({"remote_engine_id": ""}, "remote_engine_id"),
         ({"remote_port": True}, "remote_port"),
         ({"remote_port": 70000}, "remote_port"),
+        ({"tp_size": "2"}, "tp_size"),
+        ({"pp_size": 0}, "pp_size"),
     ],
 )
 def test_a_dispatch_leg_that_is_not_usable_says_why_and_changes_nothing(

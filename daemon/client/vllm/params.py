@@ -20,7 +20,7 @@ from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
-from daemon.client.vllm.layout import MAX_RANKS, Blocks, rank_count
+from daemon.client.vllm.layout import MAX_RANKS, Blocks
 from daemon.client.vllm.specs import ReceiveSpec
 from schemas.fingerprint import Fingerprint
 
@@ -86,6 +86,9 @@ class Dispatch(msgspec.Struct, frozen=True):
     remote_engine_id: NonEmpty
     remote_host: NonEmpty
     remote_port: Annotated[int, msgspec.Meta(gt=0, lt=65536)]
+    # The prefill's sizes: unsaid means 1; said, they must be sizes.
+    tp_size: RankCount = 1
+    pp_size: RankCount = 1
 
 
 # What a decode leg names: the prefill's answer, or a dispatched leg.
@@ -106,7 +109,7 @@ def adopt_dispatch(params: dict[str, Any]) -> str | None:
     It names the transfer (``transfer_id``), the prefill daemon's node
     (``remote_engine_id``) and peer address (``remote_host``,
     ``remote_port``), and the prefill's TP and PP sizes (``tp_size``,
-    ``pp_size``; 1 when unsaid); no block ids. In place, it becomes a
+    ``pp_size``; 1 when unsaid, never a guess when unreadable); no block ids. In place, it becomes a
     ``Dispatched`` leg. Returns why not, changing nothing, if the leg is
     not usable.
     """
@@ -121,8 +124,8 @@ def adopt_dispatch(params: dict[str, Any]) -> str | None:
         sent.transfer_id,
         sent.remote_engine_id,
         f"{sent.remote_host}:{sent.remote_port}",
-        rank_count(params.get("tp_size")) or 1,
-        rank_count(params.get("pp_size")) or 1,
+        sent.tp_size,
+        sent.pp_size,
     )
     params.update(msgspec.to_builtins(leg))
     return None
