@@ -225,7 +225,7 @@ async def serve(config: Config, notifier: Notifier | None = None) -> int:
                 calls=node.calls,
                 status=node.status,
                 disconnected=node.engines.disconnected,
-                failed=lambda: node.fatal is not None,
+                life=node.life,
             )
         )
 

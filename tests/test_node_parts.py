@@ -25,6 +25,7 @@ import structlog
 
 from daemon.dataplane.memory import OffloadPool, map_dram_region
 from daemon.dataplane.plane import DataPlane
+from daemon.journal.format import JournalFatal
 from daemon.journal.groupcommit import GroupCommit
 from daemon.journal.writer import Journal
 from daemon.node.counters import IntegrityCounters, RefusalCounter, WriteCounters, merged
@@ -34,6 +35,7 @@ from daemon.node.engine_state import EngineState
 from daemon.node.engines import Engines
 from daemon.node.integrity import Integrity
 from daemon.node.ledger import Carriers, Ledger
+from daemon.node.lifecycle import Lifecycle
 from daemon.node.peerport import PeerPort
 from daemon.node.peers import Peers
 from daemon.node.peerstate import PeerState
@@ -77,10 +79,10 @@ class Parts:
         self.ledger = ledger
         self.dataplane = dataplane
         self.port = PeerPort([PEER])
-        self.tasks = Tasks(structlog.get_logger("test"))
+        self.life = Lifecycle()
+        self.tasks = Tasks(structlog.get_logger("test"), life=self.life)
         self.engines: dict[str, EngineState] = {}
         self.agents: dict[str, PeerState] = {}
-        self.closing = False
         self.told: list[tuple[str, object]] = []
         ledger.courier = Carriers(lambda e, m: self.told.append((e, m)), self.port.tell)
 
@@ -90,7 +92,7 @@ class Parts:
             dataplane=self.dataplane,
             port=self.port,
             engines=self.engines,
-            closing=lambda: self.closing,
+            life=self.life,
         )
 
     def engines_part(self, windows: Windows) -> Engines:
@@ -101,7 +103,7 @@ class Parts:
             windows=windows,
             by_id=self.engines,
             spawn=self.tasks.spawn,
-            closing=lambda: self.closing,
+            life=self.life,
             tombstones=16,
         )
 
@@ -136,7 +138,7 @@ class Parts:
             engines=self.engines,
             states=self.agents,
             spawn=self.tasks.spawn,
-            stopping=lambda: False,
+            life=self.life,
         )
 
     async def settled(self) -> None:
@@ -394,7 +396,8 @@ async def test_engine_rpc_alone_refuses_while_draining_and_journals_refusals(
     windows = parts.windows()
     transfers = parts.transfers(integrity)
     engines = parts.engines_part(windows)
-    state = {"stopping": True, "failed": False}
+    life = Lifecycle()
+    life.stop()
     calls = EngineRpc(
         limits=LimitsConfig(),
         on_demand_peers=False,
@@ -405,8 +408,7 @@ async def test_engine_rpc_alone_refuses_while_draining_and_journals_refusals(
         transfers=transfers,
         integrity=integrity,
         spawn=parts.tasks.spawn,
-        stopping=lambda: state["stopping"],
-        failed=lambda: state["failed"],
+        life=life,
     )
     refusals = RefusalCounter()
     parts.ledger.observers.append(refusals.observe)
@@ -417,12 +419,12 @@ async def test_engine_rpc_alone_refuses_while_draining_and_journals_refusals(
     assert await calls.record_refusal(request, draining.value) is True
     assert refusals.refusals == 1 and _journaled(parts)[-1] is Refused
 
-    state["stopping"] = False
+    life.stopping = False  # a node that never stopped (only the test turns it back)
     with pytest.raises(Refusal) as unknown:
         await calls.register_request(RecordingSession(), request)
     assert unknown.value.reason is Reason.UNKNOWN_ENGINE
 
-    state["failed"] = True  # the journal failed: the engine is told nothing
+    life.fail(JournalFatal("disk gone"))  # the journal failed: the engine is told nothing
     assert await calls.record_refusal(request, unknown.value) is False
     assert refusals.refusals == 1
 

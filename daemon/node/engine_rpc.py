@@ -23,6 +23,7 @@ from daemon.node.engine_state import EngineSession
 from daemon.node.engines import Engines
 from daemon.node.integrity import Integrity
 from daemon.node.ledger import Commit, Ledger
+from daemon.node.lifecycle import Lifecycle
 from daemon.node.peerport import PeerPort
 from daemon.node.peers import Peers
 from daemon.node.tasks import Spawn
@@ -75,8 +76,7 @@ class EngineRpc:
         transfers: Transfers,
         integrity: Integrity,
         spawn: Spawn,
-        stopping: Callable[[], bool],
-        failed: Callable[[], bool],
+        life: Lifecycle,
     ) -> None:
         self._limits = limits
         self._on_demand = on_demand_peers
@@ -87,8 +87,7 @@ class EngineRpc:
         self._transfers = transfers
         self._integrity = integrity
         self._spawn = spawn
-        self._stopping = stopping
-        self._failed = failed  # the journal failed: nothing more is journaled
+        self._life = life  # failed: the journal failed, nothing more is journaled
 
     def handlers(self) -> dict[type, Handler]:
         """The engine server's table: each request type and the call that serves it."""
@@ -131,7 +130,7 @@ class EngineRpc:
 
     async def register_request(self, session: EngineSession, req: rpc.RegisterRequest) -> rpc.Reply:
         if req.role is RECEIVER and self._dials(req.peer, req.peer_address):
-            if self._stopping():
+            if self._life.stopping:
                 raise Refusal(Reason.DAEMON_RESTART, "the daemon is draining")
             self._engines.own(session, req.engine_id)
             # Dial the pusher's daemon (README.md, "Peers on demand"); the
@@ -140,7 +139,7 @@ class EngineRpc:
         return await self._admit_register(session, req).finish()
 
     def _admit_register(self, session: EngineSession, req: rpc.RegisterRequest) -> Admitted:
-        if self._stopping():
+        if self._life.stopping:
             raise Refusal(Reason.DAEMON_RESTART, "the daemon is draining")
         engines = self._engines
         engine = engines.own(session, req.engine_id)
@@ -273,7 +272,7 @@ class EngineRpc:
 
     def refuse(self, request: Any, refusal: Refusal) -> Commit | None:
         """Append a refused engine request's ``Refused``; None if the journal failed."""
-        if self._failed():
+        if self._life.failed:
             return None
         event = refusal.journaled(
             getattr(request, "request_id", ""),

@@ -25,6 +25,7 @@ import structlog
 from daemon import failpoints
 from daemon.dataplane.memory import RegionError
 from daemon.framing import EmptyFrame, FrameReader, FrameTooLarge, FrameWriter
+from daemon.node.lifecycle import Lifecycle
 from daemon.node.serializer import KeyedSerializer
 from daemon.node.socketclaim import SocketClaim
 from daemon.version import VERSION
@@ -167,14 +168,14 @@ class EngineApp:
     """What the server serves, handed to it when serving starts (the node is open by then).
 
     ``calls`` serves the engine calls; ``status`` answers Status;
-    ``disconnected`` hears of every connection that ends; ``failed`` says
+    ``disconnected`` hears of every connection that ends; ``life`` says
     whether the journal failed (every call is then refused).
     """
 
     calls: EngineCalls
     status: Callable[[], StatusDocument]
     disconnected: Callable[[Session], None]
-    failed: Callable[[], bool]
+    life: Lifecycle
 
 
 class EngineServer:
@@ -447,7 +448,7 @@ class EngineServer:
     def _error(self, request: Any, exc: Exception, clog: Any) -> rpc.Error:
         if isinstance(exc, RegionError):
             return rpc.Error(request.id, exc.code or rpc.BAD_REGION, str(exc))
-        if self.app.failed():
+        if self.app.life.failed:
             return rpc.Error(request.id, rpc.SHUTTING_DOWN, "the journal failed")
         clog.exception("request failed", op=type(request).__name__)
         return rpc.Error(request.id, rpc.INTERNAL, f"{type(exc).__name__}: {exc}")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -29,6 +28,7 @@ from daemon.dataplane.plane import DataPlane, DataPlaneError
 from daemon.dataplane.vram import open_vram_region
 from daemon.node.engine_state import EngineSession, EngineState, Region
 from daemon.node.ledger import Ledger
+from daemon.node.lifecycle import Lifecycle
 from daemon.node.tasks import Spawn
 from daemon.node.windows import Windows
 from schemas import rpc
@@ -54,7 +54,7 @@ class Engines:
         windows: Windows,
         by_id: dict[str, EngineState],
         spawn: Spawn,
-        closing: Callable[[], bool],
+        life: Lifecycle,
         tombstones: int,
     ) -> None:
         self._node = node
@@ -62,7 +62,7 @@ class Engines:
         self._dataplane = dataplane
         self._windows = windows
         self._spawn = spawn
-        self._closing = closing
+        self._life = life
         # Shared, read-only, with the windows, the transfers and the peers.
         self.by_id = by_id
         # Offload slots held per live request, as the core granted them:
@@ -297,7 +297,7 @@ class Engines:
         """
         registry = self._ledger.registry
         engine = self.by_id.get(engine_id)
-        if engine is None or engine.session is not None or self._closing():
+        if engine is None or engine.session is not None or self._life.closing:
             return
         if engine_id not in registry.engines:
             return
@@ -314,7 +314,7 @@ class Engines:
 
     async def _unmap_detached(self, engine: EngineState, detached: Any) -> None:
         await self._close_memory(engine)
-        if not self._closing():
+        if not self._life.closing:
             # Peers forget it too (their prepared lists of it would only grow).
             await self._windows.announce()
         # Nobody waits on the detach, so nothing else would commit it soon.

@@ -27,6 +27,7 @@ import structlog
 from daemon.dataplane.plane import DataPlane, DataPlaneError
 from daemon.node.integrity import Integrity
 from daemon.node.ledger import Ledger
+from daemon.node.lifecycle import Lifecycle
 from daemon.node.peerauth import PeerRejected
 from daemon.node.peerport import PeerPort
 from daemon.node.peerstate import PeerState
@@ -62,7 +63,7 @@ class Peers:
         engines: Mapping[str, EngineState],
         states: dict[str, PeerState],
         spawn: Spawn,
-        stopping: Callable[[], bool],
+        life: Lifecycle,
     ) -> None:
         self._ledger = ledger
         self._dataplane = dataplane
@@ -71,7 +72,7 @@ class Peers:
         self._transfers = transfers
         self._integrity = integrity
         self._engines = engines
-        self._stopping = stopping
+        self._life = life
         # Shared, read-only, with the transfers (the agent a WRITE goes to).
         self.states = states
         self._order = KeyedSerializer(spawn)
@@ -119,7 +120,7 @@ class Peers:
         self._order.submit(self.peer_up(node, hello), ("peer", node))
 
     def on_down(self, node: str, reason: str) -> None:
-        if self._stopping():
+        if self._life.stopping:
             # Shutting down: what is live stays in the journal and fails as
             # "daemon restart" on the next start; journaling now would race
             # the close of the journal.

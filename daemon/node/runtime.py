@@ -41,6 +41,7 @@ from daemon.node.engine_state import EngineState
 from daemon.node.engines import Engines
 from daemon.node.integrity import Integrity
 from daemon.node.ledger import Carriers, Ledger
+from daemon.node.lifecycle import Lifecycle
 from daemon.node.peerlink import PeerManager
 from daemon.node.peerport import PeerPort
 from daemon.node.peers import Peers
@@ -84,10 +85,9 @@ class Node:
             poll_interval_s=config.nixl.poll_interval_s,
         )
         self.port = PeerPort(peer.node for peer in config.peers)
-        self.tasks = Tasks(self.log, failed=lambda: self.fatal is not None)
+        self.life = Lifecycle()
+        self.tasks = Tasks(self.log, life=self.life)
         self.refusals = RefusalCounter()
-        self.fatal: BaseException | None = None
-        self.stopping = False
         self.started_at = clock()
         self.on_fatal: Callable[[BaseException], None] = lambda exc: None
         # The port the service serves metrics on, for status(); None without metrics.
@@ -102,9 +102,17 @@ class Node:
         return self.transfers.writes
 
     @property
+    def fatal(self) -> BaseException | None:
+        return self.life.fatal
+
+    @property
+    def stopping(self) -> bool:
+        return self.life.stopping
+
+    @property
     def closing(self) -> bool:
         # The data plane is closed or closing; its close unmapped every window.
-        return self.fatal is not None or self.stopping
+        return self.life.closing
 
     # ------------------------------------------------------------ start / stop
 
@@ -161,7 +169,6 @@ class Node:
     def _build_parts(self) -> None:
         """Each part gets what it uses; the ledger tells the observers of every commit."""
         cfg, ledger, port, spawn = self.config, self.ledger, self.port, self.tasks.spawn
-        closing = lambda: self.closing  # noqa: E731
         engines: dict[str, EngineState] = {}
         agents: dict[str, PeerState] = {}
         self.windows = Windows(
@@ -169,7 +176,7 @@ class Node:
             dataplane=self.dataplane,
             port=port,
             engines=engines,
-            closing=closing,
+            life=self.life,
             boot_id=self.boot_id,
         )
         self.engines = Engines(
@@ -179,7 +186,7 @@ class Node:
             windows=self.windows,
             by_id=engines,
             spawn=spawn,
-            closing=closing,
+            life=self.life,
             tombstones=cfg.limits.tombstones,
         )
         self.integrity = Integrity(
@@ -208,7 +215,7 @@ class Node:
             engines=engines,
             states=agents,
             spawn=spawn,
-            stopping=lambda: self.stopping,
+            life=self.life,
         )
         self.deadlines = Deadlines(
             ledger=ledger,
@@ -227,8 +234,7 @@ class Node:
             transfers=self.transfers,
             integrity=self.integrity,
             spawn=spawn,
-            stopping=lambda: self.stopping,
-            failed=lambda: self.fatal is not None,
+            life=self.life,
         )
         ledger.courier = Carriers(self.engines.tell_engine, port.tell)
         ledger.observers.extend(
@@ -268,7 +274,7 @@ class Node:
         writing stay as they are in the journal and fail as "daemon restart"
         on the next start, where their engines are told.
         """
-        self.stopping = True
+        self.life.stop()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.drain_s
         while self.writes and loop.time() < deadline:
@@ -283,7 +289,7 @@ class Node:
 
     async def close(self) -> None:
         """After drain and after the peer links closed: make durable, release memory."""
-        self.stopping = True
+        self.life.stop()
         await self.tasks.cancel_all()
         opened = hasattr(self, "ledger")
         if opened:
@@ -305,7 +311,7 @@ class Node:
         # ARCHITECTURE.md: an fsync failure is fatal; exit and replay, never retry.
         if self.fatal is not None:
             return  # reported once; later calls only see the journal refuse
-        self.fatal = exc
+        self.life.fail(exc)
         # One line per failure: on_fatal's owner (the service) says it as it
         # exits; this one only for a node run without such an owner.
         self.log.debug("journal write failed; stopping", error=str(exc))

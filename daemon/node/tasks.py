@@ -13,14 +13,15 @@ from typing import Any
 
 from daemon.dataplane.plane import DataPlaneError
 from daemon.journal.format import JournalFatal
+from daemon.node.lifecycle import Lifecycle
 
 Spawn = Callable[[Awaitable[Any]], "asyncio.Task[Any]"]
 
 
 class Tasks:
-    def __init__(self, log: Any, *, failed: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, log: Any, *, life: Lifecycle | None = None) -> None:
         self._log = log
-        self._failed = failed  # the journal failed: data plane errors follow from it
+        self._life = life or Lifecycle()  # failed: data plane errors follow from it
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
@@ -44,7 +45,7 @@ class Tasks:
         exc = task.exception()
         if isinstance(exc, JournalFatal):
             return  # reported by the journal's on_fatal
-        if self._failed() and isinstance(exc, DataPlaneError) and exc.code == "state":
+        if self._life.failed and isinstance(exc, DataPlaneError) and exc.code == "state":
             return  # the journal failure closed the data plane under it; reported once
         if exc is not None:
             self._log.error("task failed", error=repr(exc), exc_info=exc)

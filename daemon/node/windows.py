@@ -17,12 +17,13 @@ engines' memory and learns who the peers are from the peer port.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import structlog
 
 from daemon.dataplane.plane import DataPlane, DataPlaneError
+from daemon.node.lifecycle import Lifecycle
 from daemon.node.peerport import PeerPort
 from schemas import peer as pm
 from schemas.kvlayout import RemoteEngine
@@ -41,7 +42,7 @@ class Windows:
         dataplane: DataPlane,
         port: PeerPort,
         engines: Mapping[str, EngineState],
-        closing: Callable[[], bool],
+        life: Lifecycle,
         boot_id: str = "",
     ) -> None:
         self._node = node
@@ -49,7 +50,7 @@ class Windows:
         self._dataplane = dataplane
         self._port = port
         self._engines = engines
-        self._closing = closing
+        self._life = life
         self.metadata = b""
         # engine id -> peer -> that engine seen through that peer's window.
         self._open: dict[str, dict[str, RemoteEngine]] = {}
@@ -112,7 +113,7 @@ class Windows:
         descriptor list). Part of a fence (daemon/node/peers.py,
         :meth:`Peers.fence`); :meth:`rewindow` then gives it fresh windows.
         """
-        if self._closing():
+        if self._life.closing:
             return
         async with self._lock(peer):
             for opened in self._open.values():
@@ -120,7 +121,7 @@ class Windows:
             try:
                 revoked = await self._dataplane.revoke_windows(peer)
             except DataPlaneError:
-                if self._closing():
+                if self._life.closing:
                     return  # closed under us
                 raise
         log.info("peer fenced", node=self._node, peer=peer, windows_revoked=revoked)
@@ -132,7 +133,7 @@ class Windows:
         that is not linked (any more) gets none: it may never come back.
         """
         port = self._port
-        if self._closing() or not port.wants_windows(peer):
+        if self._life.closing or not port.wants_windows(peer):
             return
         async with self._lock(peer):
             if not port.wants_windows(peer):
@@ -152,7 +153,7 @@ class Windows:
             try:
                 self.metadata = await self._dataplane.metadata()
             except DataPlaneError:
-                if self._closing():
+                if self._life.closing:
                     return
                 raise
         # If it is already back on a new link, that link's Hello named no
