@@ -155,6 +155,8 @@ class Daemon:
     # PYTHONPATH through ``env``): it profiles the loop thread alone.
     profile_to: Path | None = None
     profile_wall: bool = False  # the wall clock rather than the loop thread's CPU clock
+    # Record the hand-overs inside the package to this file (harness.hoptrace).
+    trace_to: Path | None = None
     # A host of its own (daemon/sim/hosts.py): the network namespace it runs
     # in and the address it listens on there; peers elsewhere by address.
     netns: str | None = None
@@ -239,6 +241,8 @@ class Daemon:
             if self.profile_to is not None:
                 clock = ["--wall"] if self.profile_wall else []
                 entry = ["harness.profiled", *clock, str(self.profile_to)]
+            elif self.trace_to is not None:
+                entry = ["harness.hoptrace", str(self.trace_to)]
             argv = [sys.executable, "-m", *entry, "run", "--config", str(config)]
             if self.netns is not None:
                 # `ip netns exec` execs the daemon: the pid is the daemon's.
@@ -257,9 +261,10 @@ class Daemon:
         return self
 
     def profile(self, on: bool) -> None:
-        """Start (or stop) collecting the profile of a daemon started with ``profile_to``."""
-        if self.profile_to is None or self.proc is None:
-            raise RuntimeError(f"{self.node} was not started with profile_to")
+        """Start (or stop) collecting the profile (or trace) of a daemon started with
+        ``profile_to`` (``trace_to``)."""
+        if (self.profile_to is None and self.trace_to is None) or self.proc is None:
+            raise RuntimeError(f"{self.node} was not started with profile_to or trace_to")
         self.proc.send_signal(signal.SIGUSR1 if on else signal.SIGUSR2)
 
     def exited(self) -> int | None:
