@@ -166,6 +166,26 @@ def prefill_leg(
     return _params_of(prefill, answer)
 
 
+# vLLM's count of prompt tokens by where they came from.
+PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+
+
+def external_tokens(decode: VllmServer) -> float:
+    """Prompt tokens ``decode`` loaded from a connector so far."""
+    return decode.metrics().total(PROMPT_TOKENS_BY_SOURCE, source="external_kv_transfer")
+
+
+def loads_token_exact(
+    prefill: VllmServer, decode: VllmServer, prompt: Sequence[int], tokens: int
+) -> None:
+    """A P/D request whose decode loads the prompt's KV and answers as a single instance."""
+    single = prefill.complete(prompt, tokens).token_ids
+    before = external_tokens(decode)
+    sent = prefill_leg(prefill, prompt)
+    assert decode.complete(prompt, tokens, kv_transfer_params=sent).token_ids == single
+    assert external_tokens(decode) - before >= len(prompt) - 1
+
+
 def _prefill(
     prefill: VllmServer,
     prompt: Sequence[int],

@@ -21,7 +21,7 @@ import pytest
 
 from daemon.sim.launcher import Daemon, wait_idle
 from harness.tinyllama import TinyLlama, write_tinyllama
-from harness.vllm_router import prefill_leg
+from harness.vllm_router import loads_token_exact, prefill_leg
 from harness.vllm_servers import VllmServer, kvpushd_pd
 from schemas.events import Failed, WriteStarted
 from schemas.reasons import Reason
@@ -57,12 +57,7 @@ def _external(d: VllmServer) -> float:
 
 def _loads_token_exact(p: VllmServer, d: VllmServer, rng: random.Random) -> None:
     """vLLM still serves, and a P/D request after the failure loads its KV token-exact."""
-    prompt = [rng.randrange(2, 512) for _ in range(150)]
-    single = p.complete(prompt, TOKENS).token_ids
-    before = _external(d)
-    sent = prefill_leg(p, prompt)
-    assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
-    assert _external(d) - before >= len(prompt) - 1
+    loads_token_exact(p, d, [rng.randrange(2, 512) for _ in range(150)], TOKENS)
 
 
 def test_a_refused_pairing_on_a_hybrid_model_is_recomputed_and_vllm_keeps_serving(

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from daemon.sim.launcher import Daemon, wait_idle
-from harness.vllm_router import prefill_leg
+from harness.vllm_router import loads_token_exact, prefill_leg
 from harness.vllm_servers import VllmServer, kvpushd_pd
 from schemas.events import Failed, Registered, WriteDone, WriteStarted
 from schemas.reasons import Reason
@@ -239,12 +239,7 @@ def test_a_decode_daemon_outage_does_not_pin_the_prefills_blocks(pd: PD) -> None
     while not decode.status()["engines"]:
         assert time.monotonic() < deadline, "the decode connector did not register again"
         time.sleep(0.2)
-    prompt = [rng.randrange(2, 512) for _ in range(100)]
-    single = p.complete(prompt, TOKENS).token_ids
-    before = _external(d)
-    sent = prefill_leg(p, prompt)
-    assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
-    assert _external(d) - before >= len(prompt) - 1
+    loads_token_exact(p, d, [rng.randrange(2, 512) for _ in range(100)], TOKENS)
 
 
 # What a router (or anything between the legs) may do to the prefill's answer
@@ -293,12 +288,7 @@ def test_an_answer_with_a_field_dropped_retyped_or_of_another_version_is_compute
     assert "params version 2; this connector reads version 1" in log
     assert "kvpushd_version" in log and "kvpushd_node" in log and "kvpushd_split_tp" in log
     # The decode still loads an answer left as it was.
-    prompt = [rng.randrange(2, 512) for _ in range(80)]
-    single = p.complete(prompt, TOKENS).token_ids
-    before = _external(d)
-    sent = prefill_leg(p, prompt)
-    assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
-    assert _external(d) - before >= len(prompt) - 1
+    loads_token_exact(p, d, [rng.randrange(2, 512) for _ in range(80)], TOKENS)
     wait_idle(prefill, decode, timeout=45)  # the tampered pushes' registered deadline (30 s)
     for transfer in transfers:
         (failed,) = [e for e in prefill.journal_events(transfer) if isinstance(e, Failed)]
