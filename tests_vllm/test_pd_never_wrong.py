@@ -296,3 +296,42 @@ def test_an_answer_with_a_field_dropped_retyped_or_of_another_version_is_compute
         assert decode.journal_events(transfer) == []
     p.wait_kv_usage_zero()
     d.wait_kv_usage_zero()
+
+
+def test_a_decode_leg_asking_for_prompt_logprobs_computes_its_prompt_and_ends_the_push_at_once(
+    pd: PD,
+) -> None:
+    """vLLM reads no prefix for a request with prompt logprobs: nothing may be loaded into it.
+
+    The decode computes the prompt (its prompt logprobs need every prompt
+    token's logits) and answers as a single instance. The connector says so
+    when vLLM asks for external tokens (vLLM would drop them) and ends the
+    prefill's push then: a receiver of no block, a write of nothing.
+    """
+    p, d, prefill, decode = pd
+    rng = random.Random(808)
+
+    def by_logprobs() -> float:
+        return d.metrics().total("vllm:kvpushd_not_loaded_total", why="prompt_logprobs")
+
+    counted = by_logprobs()
+    prompt = [rng.randrange(2, 512) for _ in range(90)]
+    single = p.complete(prompt, TOKENS, prompt_logprobs=1)
+    before = _external(d)
+    sent = prefill_leg(p, prompt)
+    answer = d.complete(prompt, TOKENS, kv_transfer_params=sent, prompt_logprobs=1)
+    assert answer.token_ids == single.token_ids
+    logprobs = [c["prompt_logprobs"] for c in (answer.raw["choices"][0], single.raw["choices"][0])]
+    assert logprobs[0] == logprobs[1]
+    assert _external(d) == before
+    wait_idle(prefill, decode, timeout=10)
+    events = prefill.journal_events(sent["kvpushd_transfer_id"])
+    assert [e.num_blocks for e in events if isinstance(e, WriteStarted)] == [0], events
+    assert not [e for e in events if isinstance(e, Failed)], events
+    deadline = time.monotonic() + 15  # stats reach /metrics with the engine's next steps
+    while by_logprobs() < counted + 1:
+        assert time.monotonic() < deadline, "the refusal did not reach /metrics"
+        time.sleep(0.2)
+    assert "asks for prompt logprobs" in d.log.read_text(errors="replace")
+    p.wait_kv_usage_zero()
+    d.wait_kv_usage_zero()

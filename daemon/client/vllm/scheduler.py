@@ -223,6 +223,13 @@ class SchedulerSide:
 
         (What kind of reason, for the stats; what happened, for the log.)
         """
+        if getattr(request, "get_skip_reading_prefix_cache", lambda: False)():
+            # vLLM drops the external tokens of a request that reads no
+            # prefix (prompt logprobs need every prompt token's logits): the
+            # push ends now, not when this request finishes.
+            return vs.LOGPROBS, (
+                "the request asks for prompt logprobs: vLLM computes its whole prompt"
+            )
         gap = window_gap(len(request.prompt_token_ids or ()), self._block_size, self._windows)
         if gap is not None:
             return vs.WINDOW, (

@@ -48,6 +48,7 @@ DUPLICATE = "duplicate"
 NOT_NEEDED = "not_needed"
 PARAMS = "params"  # a router's kv_transfer_params the connector cannot use
 WINDOW = "window"  # the prefill no longer holds the sliding window the decode needs
+LOGPROBS = "prompt_logprobs"  # the request reads no prefix: vLLM computes its whole prompt
 
 _LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
