@@ -258,7 +258,8 @@ def test_an_answer_with_a_field_dropped_retyped_or_of_another_version_is_compute
     """Never a guess: the decode computes the prompt, says why, and serves on.
 
     Nothing tells the prefill's daemon (its name may be what is missing):
-    its push ends at its ``registered`` deadline, and its journal says so.
+    its push, which no receiver claims or holds, ends at its ``unclaimed``
+    deadline (5 s), and its journal says so.
     """
     p, d, prefill, decode = pd
     rng = random.Random(404)
@@ -289,7 +290,7 @@ def test_an_answer_with_a_field_dropped_retyped_or_of_another_version_is_compute
     assert "kvpushd_version" in log and "kvpushd_node" in log and "kvpushd_split_tp" in log
     # The decode still loads an answer left as it was.
     loads_token_exact(p, d, [rng.randrange(2, 512) for _ in range(80)], TOKENS)
-    wait_idle(prefill, decode, timeout=45)  # the tampered pushes' registered deadline (30 s)
+    wait_idle(prefill, decode, timeout=20)  # the tampered pushes' unclaimed deadline (5 s)
     for transfer in transfers:
         (failed,) = [e for e in prefill.journal_events(transfer) if isinstance(e, Failed)]
         assert failed.reason is Reason.DEADLINE_EXCEEDED, (transfer, failed)
