@@ -29,6 +29,7 @@ import pytest
 from daemon.sim.launcher import Daemon
 from harness.vllm_router import prefill_leg
 from harness.vllm_servers import VllmServer, VllmServerError, kvpushd_pd
+from schemas.events import Failed
 from schemas.reasons import Reason
 
 TOKENS = 8
@@ -144,8 +145,9 @@ def test_a_decode_request_dropped_before_it_got_blocks_ends_the_push_at_once(
 
     Sixteen long requests fill the decode server's sixteen slots, so the
     P/D request waits (no blocks, no receiver); its client gives up. The
-    connector registers a receiver with no block, the prefill daemon writes
-    nothing and both sides end well before the 30 s registration deadline.
+    connector registers a receiver with no block whose content says why,
+    the prefill daemon refuses the pairing naming it, nothing is written,
+    and both sides end well before the 30 s registration deadline.
     """
     p, d, prefill, decode = recompute_pd
     rng = random.Random(14)
@@ -166,10 +168,14 @@ def test_a_decode_request_dropped_before_it_got_blocks_ends_the_push_at_once(
             done.result()
     assert ended_after < 15, ended_after  # not the 30 s deadline
     received = decode.journal_events(transfer)
-    assert _names(received) == ["Registered", "WriteStarted", "WriteDone", "Released"]
+    assert _names(received) == ["Registered", "Failed", "Released"]
     assert received[0].blocks == ((),)  # no block of the decode instance was involved
     pushed = prefill.journal_events(transfer)
-    assert "Failed" not in _names(pushed) and _names(pushed)[-1] == "Released"
+    assert "WriteStarted" not in _names(pushed) and _names(pushed)[-1] == "Released"
+    for events in (received, pushed):
+        (failed,) = [e for e in events if isinstance(e, Failed)]
+        assert failed.reason is Reason.CONTENT_MISMATCH, failed
+        assert "not loaded: the decode request ended FINISHED_ABORTED" in failed.message
     metrics = d.metrics()
     assert metrics.total("vllm:num_requests_running") == 0
     assert metrics.total("vllm:num_requests_waiting") == 0

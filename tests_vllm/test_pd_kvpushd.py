@@ -118,7 +118,8 @@ def test_kv_of_another_prompt_is_never_loaded_the_decode_computes_its_own(
     Before prompt identity this served wrong tokens (it was the oracle's
     negative control: B's tokens changed). The prefill's params now carry
     A's length and digest; the decode side sees B is not A and computes B
-    itself, and A's push ends at once (an empty receiver: nothing written).
+    itself, and A's push ends at once: an empty receiver that says why,
+    which the prefill daemon refuses (nothing written, both journals say why).
     """
     p, d, prefill, decode = pd
     rng = random.Random(4)
@@ -132,10 +133,12 @@ def test_kv_of_another_prompt_is_never_loaded_the_decode_computes_its_own(
     assert d.complete(b, TOKENS, kv_transfer_params=sent_a).token_ids == single_b
     assert d.metrics().total(EXTERNAL, source="external_kv_transfer") == before
     wait_idle(prefill, decode, timeout=10)  # well before the push's 30 s deadline
-    (trimmed,) = [
-        e for e in prefill.journal_events(sent_a["kvpushd_transfer_id"]) if isinstance(e, Trimmed)
-    ]
-    assert trimmed.dst == ((),)  # the empty receiver: no byte of A was written
+    for daemon in (prefill, decode):
+        events = daemon.journal_events(sent_a["kvpushd_transfer_id"])
+        assert not [e for e in events if isinstance(e, WriteStarted)], events  # no byte of A
+        (failed,) = [e for e in events if isinstance(e, Failed)]
+        assert failed.reason is Reason.CONTENT_MISMATCH, failed
+        assert "not loaded: the prefill computed" in failed.message, failed
     assert "computing the prompt here" in d.log.read_text(errors="replace")
 
 
@@ -290,6 +293,7 @@ def test_the_connectors_stats_reach_vllms_metrics(pd: PD) -> None:
         return server.metrics().total("vllm:kvpushd_staged_bytes_total", direction=direction)
 
     pushed, loaded, by_prompt = ended(p, "pushed"), ended(d, "loaded"), not_loaded("prompt")
+    refused = ended(p, "failed:content_mismatch")
     out, into = staged(p, "out"), staged(d, "in")
     nbytes = d.metrics().total("vllm:kvpushd_loaded_bytes_total")
     timed = d.metrics().total("vllm:kvpushd_load_seconds_count")
@@ -301,7 +305,12 @@ def test_the_connectors_stats_reach_vllms_metrics(pd: PD) -> None:
     d.complete(other, TOKENS, kv_transfer_params=prefill_leg(p, prompt))  # another prompt
     wait_idle(prefill, decode)
     deadline = time.monotonic() + 15  # stats reach /metrics with the engine's next steps
-    while ended(p, "pushed") < pushed + 2 or not_loaded("prompt") < by_prompt + 1:
+    # The second push is refused: the decode's receiver says it loads nothing.
+    while (
+        ended(p, "pushed") < pushed + 1
+        or ended(p, "failed:content_mismatch") < refused + 1
+        or not_loaded("prompt") < by_prompt + 1
+    ):
         assert time.monotonic() < deadline, "the connector's stats did not reach /metrics"
         time.sleep(0.2)
     assert ended(d, "loaded") == loaded + 1
@@ -381,17 +390,15 @@ def test_both_legs_at_once_with_two_prompts_never_load_the_other_prompts_kv(pd: 
     p, d, prefill, decode = pd
     rng = random.Random(72)
     prompt, other = ([rng.randrange(2, 512) for _ in range(96)] for _ in range(2))
+    # Earlier tests' refused pairings (a receiver that loads nothing says so).
+    earlier = _refused(decode)
     with pytest.raises(VllmServerError):
         route_concurrent(
             p, d, prompt, TOKENS, prefill_node=prefill.node,
             prefill_address=f"127.0.0.1:{prefill.port}", decode_prompt=other,
         )  # fmt: skip
     wait_idle(prefill, decode)
-    transfers = {
-        e.request_id
-        for e in _all_events(decode)
-        if isinstance(e, Failed) and e.reason is Reason.CONTENT_MISMATCH
-    }
+    transfers = _refused(decode) - earlier
     assert len(transfers) == 1, transfers
     (transfer,) = transfers
     for daemon in (prefill, decode):
@@ -402,6 +409,15 @@ def test_both_legs_at_once_with_two_prompts_never_load_the_other_prompts_kv(pd: 
     metrics = d.metrics()
     assert metrics.total("vllm:num_requests_running") == 0
     assert metrics.total("vllm:num_requests_waiting") == 0
+
+
+def _refused(daemon: Daemon) -> set[str]:
+    """The transfers whose pairing ``daemon``'s journal says was refused (content_mismatch)."""
+    return {
+        e.request_id
+        for e in _all_events(daemon)
+        if isinstance(e, Failed) and e.reason is Reason.CONTENT_MISMATCH
+    }
 
 
 def _all_events(daemon: Daemon) -> list[object]:

@@ -307,7 +307,8 @@ def test_a_decode_leg_asking_for_prompt_logprobs_computes_its_prompt_and_ends_th
     The decode computes the prompt (its prompt logprobs need every prompt
     token's logits) and answers as a single instance. The connector says so
     when vLLM asks for external tokens (vLLM would drop them) and ends the
-    prefill's push then: a receiver of no block, a write of nothing.
+    prefill's push then: a receiver of no block that says why, which the
+    prefill daemon refuses, naming it in both journals.
     """
     p, d, prefill, decode = pd
     rng = random.Random(808)
@@ -327,8 +328,10 @@ def test_a_decode_leg_asking_for_prompt_logprobs_computes_its_prompt_and_ends_th
     assert _external(d) == before
     wait_idle(prefill, decode, timeout=10)
     events = prefill.journal_events(sent["kvpushd_transfer_id"])
-    assert [e.num_blocks for e in events if isinstance(e, WriteStarted)] == [0], events
-    assert not [e for e in events if isinstance(e, Failed)], events
+    assert not [e for e in events if isinstance(e, WriteStarted)], events
+    (failed,) = [e for e in events if isinstance(e, Failed)]
+    assert failed.reason is Reason.CONTENT_MISMATCH, failed
+    assert "not loaded: the request asks for prompt logprobs" in failed.message, failed
     deadline = time.monotonic() + 15  # stats reach /metrics with the engine's next steps
     while by_logprobs() < counted + 1:
         assert time.monotonic() < deadline, "the refusal did not reach /metrics"

@@ -70,6 +70,10 @@ ACROSS_RANKS: Final = ("tp_size", "pp_size", "kv_head_range", "layer_range")
 # The content of a pusher that pushes nothing, before why (statemachine/content.py
 # takes any content that is not block hashes as a name both sides must share).
 NOT_PUSHED: Final = "not pushed: "
+# The content of a receiver that loads nothing (a forgone transfer), before
+# why: the prefill daemon refuses the pairing (content_mismatch) naming it, so
+# both journals say why nothing was written.
+NOT_LOADED: Final = "not loaded: "
 # How a prefill request must have ended for its KV to be pushed: its prompt
 # was computed (it stopped, or hit its length). An abort pushes nothing.
 _COMPUTED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED})
@@ -179,13 +183,18 @@ class SchedulerSide:
         if why is not None:
             # Never KV from other weights, another layout or another prompt:
             # this instance computes the prompt. A receiver with no block still
-            # goes out, so the prefill's daemon ends the push now (its pairing
-            # check refuses a fingerprint mismatch, and both journals name the
-            # field) instead of at its deadline.
+            # goes out, so the prefill's daemon ends the push now instead of at
+            # its deadline: its pairing check refuses it (a fingerprint
+            # mismatch naming the field, or content_mismatch naming why), and
+            # both journals say why nothing was written.
             self._compute_here(request, params, why)
             if self._first_time(transfer_id):
                 paired = why[0] != vs.FINGERPRINT
-                self._pending.forgo.append(receive_spec(request.request_id, leg, (), paired=paired))
+                self._pending.forgo.append(
+                    receive_spec(
+                        request.request_id, leg, (), paired=paired, content=NOT_LOADED + why[1]
+                    )
+                )
             return 0, False
         remember(self._claims, transfer_id, (request.request_id, leg))
         return self._external_tokens(request, num_computed_tokens)
@@ -334,7 +343,10 @@ class SchedulerSide:
             # An unreadable leg names no prefill daemon to tell: its push ends
             # at its deadline.
             if not isinstance(leg, str) and self._first_time(leg.transfer_id):
-                self._pending.forgo.append(receive_spec(request.request_id, leg, ()))
+                why = f"the decode request ended {request.status.name} before it had blocks"
+                self._pending.forgo.append(
+                    receive_spec(request.request_id, leg, (), content=NOT_LOADED + why)
+                )
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
