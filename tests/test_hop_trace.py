@@ -37,6 +37,10 @@ LAYOUT: Final = [SimGroup(num_blocks=64, block_bytes=4096, layers=2)]
 # Entered on a request's path but no hand-over of it: a failpoint is a check
 # that does nothing unless a test arms it.
 NOT_HOPS: Final = frozenset({"daemon.failpoints"})
+# Where the node's own periodic work starts, whatever the requests: the
+# service's status line and watchdog (every few seconds; one may fall inside
+# the traced request).
+BACKGROUND: Final = frozenset({"daemon.service"})
 
 
 @dataclass(frozen=True)
@@ -134,8 +138,25 @@ def unnamed(hops: list[Hop], calls: dict[str, list[Call]]) -> list[str]:
 
 
 def load(path: Path, start: int, end: int) -> list[Call]:
+    """The hand-overs recorded between ``start`` and ``end``, the node's periodic work left out.
+
+    Each thread's records run in order; a ``resume`` starts what follows on
+    that thread (until the next one), so work the service started is known
+    by where it began.
+    """
     calls = [Call(*json.loads(line)) for line in path.read_text().splitlines()]
-    return [call for call in calls if start <= call.ns <= end]
+    return [call for call in foreground(calls) if start <= call.ns <= end]
+
+
+def foreground(calls: list[Call]) -> list[Call]:
+    began: dict[str, str] = {}  # thread -> the module its current run of work began in
+    kept = []
+    for call in sorted(calls, key=lambda c: c.ns):
+        if call.kind == "resume":
+            began[call.thread] = call.callee
+        if began.get(call.thread) not in BACKGROUND:
+            kept.append(call)
+    return kept
 
 
 @pytest.fixture(scope="module")
@@ -220,6 +241,16 @@ PLANTED = """\
 
 def _call(callee: str, qualname: str) -> Call:
     return Call(0, "MainThread", "call", "x", callee, qualname)
+
+
+def test_the_services_periodic_work_is_not_the_requests() -> None:
+    status_tick = [
+        Call(1, "MainThread", "resume", "asyncio.runners", "daemon.service", "_status_updates"),
+        Call(2, "MainThread", "call", "daemon.service", "daemon.node.runtime", "Node.status"),
+        Call(3, "MainThread", "resume", "asyncio.runners", "daemon.node.tasks", "Tasks._done"),
+        Call(4, "fs", "resume", "concurrent.futures.thread", "daemon.journal.writer", "sync_fd"),
+    ]
+    assert [c.ns for c in foreground(status_tick)] == [3, 4]
 
 
 def test_a_stale_or_missing_name_in_the_table_is_reported() -> None:
