@@ -21,14 +21,13 @@ import pytest
 
 from daemon.sim.launcher import Daemon, wait_idle
 from harness.tinyllama import TinyLlama, write_tinyllama
-from harness.vllm_router import loads_token_exact, prefill_leg
+from harness.vllm_router import external_tokens, loads_token_exact, prefill_leg
 from harness.vllm_servers import VllmServer, kvpushd_pd
 from schemas.events import Failed, WriteStarted
 from schemas.reasons import Reason
 
 TOKENS = 8
 WINDOW = 48
-EXTERNAL = "vllm:prompt_tokens_by_source_total"
 
 PD = tuple[VllmServer, VllmServer, Daemon, Daemon]
 
@@ -49,10 +48,6 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
         kv_load_failure_policy="recompute",
     ) as pair:
         yield pair
-
-
-def _external(d: VllmServer) -> float:
-    return d.metrics().total(EXTERNAL, source="external_kv_transfer")
 
 
 def _loads_token_exact(p: VllmServer, d: VllmServer, rng: random.Random) -> None:
@@ -145,7 +140,7 @@ def test_a_prefill_leg_whose_window_moved_past_a_block_is_refused_not_written(
     # Another prompt of the same length (the decode's cache now holds this one).
     prompt = [rng.randrange(2, 512) for _ in range(875)]
     single = p.complete(prompt, TOKENS).token_ids
-    before = _external(d)
+    before = external_tokens(d)
     sent = prefill_leg(p, prompt)
     assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
-    assert _external(d) - before >= len(prompt) - 1
+    assert external_tokens(d) - before >= len(prompt) - 1

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from daemon.sim.launcher import Daemon, wait_idle
-from harness.vllm_router import loads_token_exact, prefill_leg
+from harness.vllm_router import external_tokens, loads_token_exact, prefill_leg
 from harness.vllm_servers import VllmServer, kvpushd_pd
 from schemas.events import Failed, Registered, WriteDone, WriteStarted
 from schemas.reasons import Reason
@@ -37,7 +37,6 @@ from statemachine.content import decode as decode_content
 
 TOKENS = 8
 BLOCK = 32
-EXTERNAL = "vllm:prompt_tokens_by_source_total"
 
 PD = tuple[VllmServer, VllmServer, Daemon, Daemon]
 
@@ -54,10 +53,6 @@ def pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
         yield pair
 
 
-def _external(d: VllmServer) -> float:
-    return d.metrics().total(EXTERNAL, source="external_kv_transfer")
-
-
 def test_a_push_shifted_by_one_block_is_refused_by_the_hashes_before_any_write(pd: PD) -> None:
     """The planted misalignment (first push): refused, naming the first block that differs.
 
@@ -72,10 +67,10 @@ def test_a_push_shifted_by_one_block_is_refused_by_the_hashes_before_any_write(p
     # The decode's own prefix hit: 96 shared tokens are 3 full blocks.
     d.complete(prompt[:96] + [rng.randrange(2, 512) for _ in range(40)], 1)
     single = p.complete(prompt, TOKENS).token_ids
-    before = _external(d)
+    before = external_tokens(d)
     sent = prefill_leg(p, prompt)
     assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
-    assert _external(d) == before  # the load failed; the decode computed the prompt
+    assert external_tokens(d) == before  # the load failed; the decode computed the prompt
     wait_idle(prefill, decode, timeout=10)
     transfer = sent["kvpushd_transfer_id"]
     for daemon in (prefill, decode):
@@ -106,10 +101,10 @@ def test_a_prefill_leg_with_more_than_one_token_pushes_exactly_the_prompt(
     for length in (63, 64, 65, 127, 128, 129):
         prompt = [rng.randrange(2, 512) for _ in range(length)]
         single = p.complete(prompt, TOKENS).token_ids
-        before = _external(d)
+        before = external_tokens(d)
         sent = prefill_leg(p, prompt, max_tokens=prefill_tokens)
         assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single, length
-        assert _external(d) - before >= length - 1, length
+        assert external_tokens(d) - before >= length - 1, length
         wait_idle(prefill, decode, timeout=10)
         transfer = sent["kvpushd_transfer_id"]
         (push,) = [e for e in prefill.journal_events(transfer) if isinstance(e, Registered)]
@@ -142,9 +137,9 @@ def test_a_transfer_id_used_by_two_live_prefill_requests_pushes_once_and_leaks_n
     )
     assert not again.raw.get("kv_transfer_params"), again.raw  # nothing to load from
     assert first["kvpushd_transfer_id"] == "xfer-reused-1"
-    before = _external(d)
+    before = external_tokens(d)
     assert d.complete(prompt, TOKENS, kv_transfer_params=first).token_ids == single
-    assert _external(d) - before >= len(prompt) - 1
+    assert external_tokens(d) - before >= len(prompt) - 1
     wait_idle(prefill, decode, timeout=10)
     registered = [e for e in prefill.journal_events("xfer-reused-1") if isinstance(e, Registered)]
     assert len(registered) == 1, registered
@@ -278,9 +273,9 @@ def test_an_answer_with_a_field_dropped_retyped_or_of_another_version_is_compute
             del sent[key]
         else:
             sent[key] = value
-        before = _external(d)
+        before = external_tokens(d)
         assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single, key
-        assert _external(d) == before, key
+        assert external_tokens(d) == before, key
     deadline = time.monotonic() + 15  # stats reach /metrics with the engine's next steps
     while by_params() < counted + len(TAMPERED):
         assert time.monotonic() < deadline, "the params refusals did not reach /metrics"
@@ -319,13 +314,13 @@ def test_a_decode_leg_asking_for_prompt_logprobs_computes_its_prompt_and_ends_th
     counted = by_logprobs()
     prompt = [rng.randrange(2, 512) for _ in range(90)]
     single = p.complete(prompt, TOKENS, prompt_logprobs=1)
-    before = _external(d)
+    before = external_tokens(d)
     sent = prefill_leg(p, prompt)
     answer = d.complete(prompt, TOKENS, kv_transfer_params=sent, prompt_logprobs=1)
     assert answer.token_ids == single.token_ids
     logprobs = [c["prompt_logprobs"] for c in (answer.raw["choices"][0], single.raw["choices"][0])]
     assert logprobs[0] == logprobs[1]
-    assert _external(d) == before
+    assert external_tokens(d) == before
     wait_idle(prefill, decode, timeout=10)
     events = prefill.journal_events(sent["kvpushd_transfer_id"])
     assert not [e for e in events if isinstance(e, WriteStarted)], events

@@ -111,7 +111,6 @@ class Node:
 
     @property
     def closing(self) -> bool:
-        # The data plane is closed or closing; its close unmapped every window.
         return self.life.closing
 
     # ------------------------------------------------------------ start / stop

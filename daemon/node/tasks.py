@@ -45,7 +45,7 @@ class Tasks:
         exc = task.exception()
         if isinstance(exc, JournalFatal):
             return  # reported by the journal's on_fatal
-        if self._life.failed and isinstance(exc, DataPlaneError) and exc.code == "state":
+        if isinstance(exc, DataPlaneError) and exc.code == "state" and self._life.failed:
             return  # the journal failure closed the data plane under it; reported once
         if exc is not None:
             self._log.error("task failed", error=repr(exc), exc_info=exc)

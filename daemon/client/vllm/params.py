@@ -109,9 +109,9 @@ def adopt_dispatch(params: dict[str, Any]) -> str | None:
     It names the transfer (``transfer_id``), the prefill daemon's node
     (``remote_engine_id``) and peer address (``remote_host``,
     ``remote_port``), and the prefill's TP and PP sizes (``tp_size``,
-    ``pp_size``; 1 when unsaid, never a guess when unreadable); no block ids. In place, it becomes a
-    ``Dispatched`` leg. Returns why not, changing nothing, if the leg is
-    not usable.
+    ``pp_size``; 1 when unsaid, never a guess when unreadable); no block
+    ids. In place, it becomes a ``Dispatched`` leg. Returns why not,
+    changing nothing, if the leg is not usable.
     """
     if router_transfer_id(params) is None:
         return f"the router's transfer_id {params.get('transfer_id')!r} is not usable"

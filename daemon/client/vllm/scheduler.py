@@ -79,6 +79,11 @@ NOT_LOADED: Final = "not loaded: "
 _COMPUTED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED})
 
 
+def _reads_no_prefix(request: Request) -> bool:
+    """vLLM reads no prefix for this request (prompt logprobs): it computes its whole prompt."""
+    return bool(getattr(request, "get_skip_reading_prefix_cache", lambda: False)())
+
+
 class SchedulerSide:
     def __init__(
         self,
@@ -140,7 +145,7 @@ class SchedulerSide:
         prompt = request.prompt_token_ids
         if request.request_id in self._cut or prompt is None or len(prompt) <= self._backoff:
             return
-        if getattr(request, "get_skip_reading_prefix_cache", lambda: False)():
+        if _reads_no_prefix(request):
             return
         del prompt[-self._backoff :]
         del request._all_token_ids[-self._backoff :]
@@ -232,7 +237,7 @@ class SchedulerSide:
 
         (What kind of reason, for the stats; what happened, for the log.)
         """
-        if getattr(request, "get_skip_reading_prefix_cache", lambda: False)():
+        if _reads_no_prefix(request):
             # vLLM drops the external tokens of a request that reads no
             # prefix (prompt logprobs need every prompt token's logits): the
             # push ends now, not when this request finishes.
