@@ -157,8 +157,10 @@ class CrashEngine(SimEngine):
         self.generation = 0  # connections made so far; a new one means a new daemon life
 
     @classmethod
-    async def launch(cls, engine_id: str, role: Role, socket_path: str) -> CrashEngine:
-        engine = await cls.create(engine_id, role, LAYOUT, socket_path)
+    async def launch(
+        cls, engine_id: str, role: Role, socket_path: str, memory: str = "file"
+    ) -> CrashEngine:
+        engine = await cls.create(engine_id, role, LAYOUT, socket_path, memory=memory)
         assert isinstance(engine, CrashEngine)
         engine._watch_pump()
         return engine
@@ -177,8 +179,13 @@ class CrashEngine(SimEngine):
         if self._pump is not None:
             with contextlib.suppress(BaseException):
                 await self._pump
+        # Memory shared by descriptor goes again with the new Hello: a
+        # restarted daemon maps it anew.
         client = await EngineClient.connect(
-            socket_path, client_name=f"crash:{self.engine_id}", timeout=10.0
+            socket_path,
+            client_name=f"crash:{self.engine_id}",
+            timeout=10.0,
+            descriptors=self.descriptors,
         )
         try:
             await client.register_engine(self.engine_id, self.groups, self.region_specs)
@@ -781,9 +788,14 @@ def _start(daemon: Daemon) -> None:
 class CrashPair:
     """Two real daemons, one engine on each, a load, and the kill rounds."""
 
-    def __init__(self, workdir: Path, tag: str, load_rng: random.Random) -> None:
+    def __init__(
+        self, workdir: Path, tag: str, load_rng: random.Random, memory: str = "file"
+    ) -> None:
         self.workdir = workdir
         self.tag = tag
+        # How the engines share their KV: a /dev/shm file, or a memfd passed
+        # with each Hello (a restarted daemon maps it again).
+        self.memory = memory
         self.rng = load_rng
         self.daemons = daemon_pair(workdir)
         self.engines: dict[str, CrashEngine] = {}
@@ -801,7 +813,9 @@ class CrashPair:
         await self.wait_link()
         for name, role in ((PREFILL, Role.PUSHER), (DECODE, Role.RECEIVER)):
             engine_id = f"{name}-engine-{self.tag}"  # shm file names are per engine id
-            engine = await CrashEngine.launch(engine_id, role, self.daemons[name].socket)
+            engine = await CrashEngine.launch(
+                engine_id, role, self.daemons[name].socket, self.memory
+            )
             engine.on_event = self.ledgers[name].event
             self.engines[name] = engine
         self.load = Load(self.engines, self.ledgers, self.rng, self.violations)
@@ -975,8 +989,12 @@ async def run_rounds(
     pairs: int = 1,
     say: Callable[[str], None] = lambda line: None,
     stop_on_violation: bool = False,
+    memories: tuple[str, ...] = ("file", "descriptor"),
 ) -> Summary:
     """Run ``rounds`` kill rounds over ``pairs`` daemon pairs side by side.
+
+    Pair ``i``'s engines share their KV as ``memories[i % len(memories)]``
+    says: a /dev/shm file, or a memfd passed by descriptor.
 
     Pairs are independent (own ports, journals, engines); running two at
     once uses the time one pair spends waiting for a daemon to start. The
@@ -986,7 +1004,15 @@ async def run_rounds(
     shares = [rounds // pairs + (i < rounds % pairs) for i in range(pairs)]
     parts = await asyncio.gather(
         *(
-            _run_pair(workdir / f"pair-{i}", str(i), shares[i], seed + i, say, stop_on_violation)
+            _run_pair(
+                workdir / f"pair-{i}",
+                str(i),
+                shares[i],
+                seed + i,
+                say,
+                stop_on_violation,
+                memories[i % len(memories)],
+            )
             for i in range(pairs)
         )
     )
@@ -1007,13 +1033,15 @@ async def _run_pair(
     seed: int,
     say: Callable[[str], None],
     stop_on_violation: bool,
+    memory: str = "file",
 ) -> Summary:
     plan_rng = random.Random(seed)
     summary = Summary(seed)
     workdir.mkdir(parents=True, exist_ok=True)
-    pair = CrashPair(workdir, tag, random.Random(seed ^ 0x5EED))
+    pair = CrashPair(workdir, tag, random.Random(seed ^ 0x5EED), memory)
     try:
         await pair.start()
+        say(f"pair {tag}: the engines share their KV by {memory}")
         for index in range(1, rounds + 1):
             kill = plan_kill(plan_rng)
             result = await pair.round(index, kill)

@@ -18,6 +18,7 @@ rank, and each prefill rank's whole blocks pair with its slice's
 from __future__ import annotations
 
 import enum
+from typing import Annotated, Final
 
 import msgspec
 
@@ -30,10 +31,14 @@ class MemoryKind(enum.StrEnum):
     VRAM = "vram"
 
 
-class RegionSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+# omit_defaults: a client that shares memory the way an older daemon knows
+# sends nothing that daemon would refuse as an unknown field.
+class RegionSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """A memory region the engine shares with its daemon.
 
-    DRAM: ``path`` is a POSIX shared-memory file under /dev/shm.
+    DRAM: either ``descriptor``, the index of a sealed memfd among the
+    descriptors the connection's Hello carried (no file name at all), or
+    ``path``, a POSIX shared-memory file under /dev/shm.
     VRAM: ``ipc_handle`` is a CUDA IPC handle for ``device``.
     """
 
@@ -43,6 +48,39 @@ class RegionSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     path: str = ""
     device: int = 0
     ipc_handle: bytes = b""
+    descriptor: int = -1
+
+    @property
+    def shared_as(self) -> SharedAs:
+        """How the daemon gets this region's memory."""
+        if self.memory is MemoryKind.VRAM:
+            return SharedAs.CUDA_IPC
+        return SharedAs.DESCRIPTOR if self.descriptor >= 0 else SharedAs.FILE
+
+
+class SharedAs(enum.StrEnum):
+    """How an engine hands a region's memory to its daemon (``kvpushd status``)."""
+
+    DESCRIPTOR = "descriptor"  # a sealed memfd passed over the engine socket
+    FILE = "file"  # a named file under /dev/shm the daemon opens
+    CUDA_IPC = "cuda_ipc"  # a CUDA IPC handle the daemon opens on its GPU
+
+
+class KvPlacement(enum.StrEnum):
+    """Whose bytes the shared memory is."""
+
+    CACHE = "cache"  # the engine's KV cache itself: the daemon reads and writes it in place
+    STAGING = "staging"  # a host mirror of a cache the daemon cannot map; the engine copies
+
+
+MAX_WHY_CHARS: Final = 400  # one line in kvpushd status, not a log
+
+
+class MemoryNote(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The engine's word on its shared memory: whose bytes, and why so (one line)."""
+
+    placement: KvPlacement = KvPlacement.CACHE
+    why: Annotated[str, msgspec.Meta(max_length=MAX_WHY_CHARS)] = ""
 
 
 class LayerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -15,7 +15,7 @@ from typing import Annotated, Final
 import msgspec
 
 from schemas.fingerprint import Fingerprint
-from schemas.kvlayout import GroupSpec, RegionSpec
+from schemas.kvlayout import GroupSpec, MemoryNote, RegionSpec
 from schemas.layout import Role
 from schemas.reasons import Reason
 from schemas.status import StatusDocument
@@ -36,13 +36,19 @@ class _Request(msgspec.Struct, frozen=True, tag_field="op", forbid_unknown_field
     id: int
 
 
-class Hello(_Request, frozen=True, tag="hello"):
+# omit_defaults: a Hello that carries no descriptor is one an older daemon reads.
+class Hello(_Request, frozen=True, tag="hello", omit_defaults=True):
     client: str = ""
     # A client that names no version speaks 1: single frames, as before 2.
     protocol: int = 1
+    # How many descriptors (SCM_RIGHTS) the Hello's first bytes carried:
+    # KV memory a RegionSpec names by index. The daemon checks the count,
+    # so a descriptor lost on the way is a refusal, not a wrong region.
+    descriptors: int = 0
 
 
-class RegisterEngine(_Request, frozen=True, tag="register_engine"):
+# omit_defaults: a registration without a memory note is one an older daemon reads.
+class RegisterEngine(_Request, frozen=True, tag="register_engine", omit_defaults=True):
     """Declare an engine's KV layout and share its memory with the daemon.
 
     ``offload`` optionally names a region of ``offload_slots`` equal slots the
@@ -58,6 +64,8 @@ class RegisterEngine(_Request, frozen=True, tag="register_engine"):
     offload_slots: int = 0
     # What produced this engine's KV; pushes pair only equal fingerprints.
     fingerprint: Fingerprint | None = None
+    # Whose bytes the regions are and why (kvpushd status shows it).
+    memory_note: MemoryNote | None = None
 
 
 class RegisterRequest(_Request, frozen=True, tag="register_request"):

@@ -40,6 +40,13 @@ class EngineLine(_Part, frozen=True):
     offload_free: int | None = None
     # What produced the engine's KV (None: the engine declared none).
     fingerprint: Fingerprint | None = None
+    # How the engine handed its memory over ("descriptor", "file", "cuda_ipc";
+    # several, comma-separated, when its regions differ), whose bytes they are
+    # ("cache": its KV cache itself, "staging": a mirror it copies through),
+    # and the engine's one-line why ("" when it gave none).
+    memory: str = ""
+    kv: str = ""
+    memory_why: str = ""
 
 
 class PeerLine(_Part, frozen=True):

@@ -66,6 +66,7 @@ class RecordingSession:
 
     def __init__(self) -> None:
         self.uid, self.gid, self.pid = os.getuid(), os.getgid(), os.getpid()
+        self.descriptors: tuple[int, ...] = ()  # its memory comes by /dev/shm file
         self.events: list[Any] = []
 
     def send_event(self, event: Any) -> None:

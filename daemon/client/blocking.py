@@ -17,7 +17,7 @@ from daemon.client.engine_client import DEFAULT_TIMEOUT_S, EngineClient, EventCa
 from daemon.client.errors import CallTimeout, ConnectionLost
 from schemas import rpc
 from schemas.fingerprint import Fingerprint
-from schemas.kvlayout import GroupSpec, RegionSpec
+from schemas.kvlayout import GroupSpec, MemoryNote, RegionSpec
 from schemas.layout import Role
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class BlockingEngineClient:
         timeout: float = DEFAULT_TIMEOUT_S,
         on_event: EventCallback | None = None,
         queue_events: bool = True,
+        descriptors: Sequence[int] = (),
     ) -> BlockingEngineClient:
         """Start the private loop and connect; raises like :meth:`EngineClient.connect`."""
         loop = _new_loop()
@@ -65,6 +66,7 @@ class BlockingEngineClient:
                     timeout=timeout,
                     on_event=on_event,
                     queue_events=queue_events,
+                    descriptors=descriptors,
                 )
             )
         except BaseException:
@@ -92,6 +94,7 @@ class BlockingEngineClient:
         offload_slots: int = 0,
         *,
         fingerprint: Fingerprint | None = None,
+        memory_note: MemoryNote | None = None,
         timeout: float | None = None,
     ) -> rpc.Ok:
         return self._run(
@@ -102,6 +105,7 @@ class BlockingEngineClient:
                 offload,
                 offload_slots,
                 fingerprint=fingerprint,
+                memory_note=memory_note,
                 timeout=timeout,
             )
         )

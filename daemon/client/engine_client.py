@@ -22,11 +22,13 @@ they come in; events go to a queue (and an optional callback).
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import itertools
 import logging
 import math
+import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Final, TypeVar
 
@@ -40,10 +42,10 @@ from daemon.client.errors import (
     RequestTooLarge,
     RpcError,
 )
-from daemon.framing import EmptyFrame, FrameReader, FrameTooLarge, FrameWriter
+from daemon.framing import EmptyFrame, FrameReader, FrameTooLarge, FrameWriter, frame_bytes
 from schemas import rpc
 from schemas.fingerprint import Fingerprint
-from schemas.kvlayout import GroupSpec, RegionSpec
+from schemas.kvlayout import GroupSpec, MemoryNote, RegionSpec
 from schemas.layout import Role
 
 log = logging.getLogger(__name__)
@@ -135,8 +137,13 @@ class EngineClient:
         on_event: EventCallback | None = None,
         queue_events: bool = True,
         batch: bool = True,
+        descriptors: Sequence[int] = (),
     ) -> EngineClient:
         """Connect, say Hello, and check the daemon speaks our protocol.
+
+        ``descriptors`` (memfds holding KV memory) travel with the Hello's
+        first bytes (SCM_RIGHTS); a ``RegionSpec`` names one by its index
+        here. They stay the caller's: the daemon holds its own duplicates.
 
         Raises :class:`ConnectionLost` when the socket cannot be reached,
         :class:`ProtocolError` on a protocol version mismatch, and
@@ -144,10 +151,10 @@ class EngineClient:
         itself (code ``not_allowed``: this process's uid and groups may not
         use the daemon).
         """
+        fds = tuple(descriptors)
+        hello = rpc.Hello(1, client_name, rpc.PROTOCOL_VERSION, descriptors=len(fds))
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_unix_connection(socket_path), timeout
-            )
+            reader, writer = await asyncio.wait_for(_open(socket_path, fds, hello), timeout)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise DaemonUnreachable(f"cannot connect to {socket_path}: {exc}") from exc
         except (OSError, TimeoutError) as exc:
@@ -163,7 +170,7 @@ class EngineClient:
         )
         client._reader_task = asyncio.create_task(client._read_loop(), name="kvpushd-client-reader")
         try:
-            await client._hello(client_name)
+            await client._hello(client_name, hello if fds else None)
         except ConnectionLost as exc:
             await client.close()
             # The daemon said why it hung up before answering (a refused
@@ -176,15 +183,28 @@ class EngineClient:
             raise
         return client
 
-    async def _hello(self, client_name: str) -> None:
-        hello = rpc.Hello(self._next_id(), client=client_name, protocol=rpc.PROTOCOL_VERSION)
-        try:
-            reply = await self._call(hello, rpc.HelloOk)
-        except RpcError as exc:
-            if exc.code != rpc.BAD_REQUEST or "protocol" not in exc.message:
+    async def _hello(self, client_name: str, sent: rpc.Hello | None = None) -> None:
+        """Say Hello (``sent``: said already, with the descriptors, before the stream began)."""
+        if sent is not None:
+            next(self._ids)  # its id is taken
+            try:
+                reply = await self._call(sent, rpc.HelloOk, sent=True)
+            except RpcError as exc:
+                if exc.code == rpc.BAD_REQUEST and "descriptors" in exc.message:
+                    raise ProtocolError(
+                        f"the daemon does not take the KV memory this engine passes by "
+                        f"descriptor: {exc.message}"
+                    ) from exc
                 raise
-            # A daemon from before protocol 2: speak 1 (no batches) with it.
-            reply = await self._call(rpc.Hello(self._next_id(), client_name, 1), rpc.HelloOk)
+        else:
+            hello = rpc.Hello(self._next_id(), client_name, rpc.PROTOCOL_VERSION)
+            try:
+                reply = await self._call(hello, rpc.HelloOk)
+            except RpcError as exc:
+                if exc.code != rpc.BAD_REQUEST or "protocol" not in exc.message:
+                    raise
+                # A daemon from before protocol 2: speak 1 (no batches) with it.
+                reply = await self._call(rpc.Hello(self._next_id(), client_name, 1), rpc.HelloOk)
         if reply.protocol not in rpc.SUPPORTED_PROTOCOLS:
             speaks = ", ".join(str(p) for p in sorted(rpc.SUPPORTED_PROTOCOLS))
             raise ProtocolError(
@@ -236,12 +256,14 @@ class EngineClient:
         offload_slots: int = 0,
         *,
         fingerprint: Fingerprint | None = None,
+        memory_note: MemoryNote | None = None,
         timeout: float | None = None,
     ) -> rpc.Ok:
         """Declare the engine's KV layout and share its memory regions.
 
         ``fingerprint`` names what produced the KV (model, formats, parallel
         layout): pushes pair only engines with equal fingerprints.
+        ``memory_note``: whose bytes the regions are and why (``kvpushd status``).
         """
         request = rpc.RegisterEngine(
             self._next_id(),
@@ -251,6 +273,7 @@ class EngineClient:
             offload=offload,
             offload_slots=offload_slots,
             fingerprint=fingerprint,
+            memory_note=memory_note,
         )
         return await self._call(request, rpc.Ok, timeout)
 
@@ -367,14 +390,17 @@ class EngineClient:
         request: rpc.Request,
         expect: type[_R] | tuple[type, ...],
         timeout: float | None = None,
+        *,
+        sent: bool = False,
     ) -> _R:
-        """Send one request and await the reply with its id."""
+        """Send one request (unless ``sent`` already) and await the reply with its id."""
         if self._lost is not None:
             raise _copy_lost(self._lost)
         future: asyncio.Future[rpc.Reply] = asyncio.get_running_loop().create_future()
         self._pending[request.id] = future
         try:
-            await self._send(request)
+            if not sent:
+                await self._send(request)
             limit = self.timeout if timeout is None else timeout
             try:
                 # math.inf: as long as the connection lives (its loss ends the wait).
@@ -529,6 +555,32 @@ class EngineClient:
                 future.set_exception(_copy_lost(exc))
         self._pending.clear()
         self._events.put_nowait(_END)
+
+
+async def _open(
+    socket_path: str, descriptors: tuple[int, ...], hello: rpc.Hello
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """The connection's stream; with descriptors, the Hello already sent, carrying them."""
+    if not descriptors:
+        return await asyncio.open_unix_connection(socket_path)
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        await loop.sock_connect(sock, socket_path)
+        frame = frame_bytes(msgspec.msgpack.encode(hello))
+        # A stream reads no ancillary data: the daemon reads the first bytes
+        # with recvmsg (daemon/node/descriptors.py), so they go in one sendmsg,
+        # which a new connection's empty buffer takes whole.
+        sent = sock.sendmsg(
+            [frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", descriptors))]
+        )
+        if sent != len(frame):
+            raise ConnectionLost(f"the Hello went out in part ({sent} of {len(frame)} bytes)")
+        return await asyncio.open_unix_connection(sock=sock)
+    except BaseException:
+        sock.close()
+        raise
 
 
 def _copy_lost(exc: ConnectionLost) -> ConnectionLost:

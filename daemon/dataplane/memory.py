@@ -1,22 +1,28 @@
 """Engine KV memory as the daemon sees it: mapped shared-memory regions, offload slots.
 
-An engine hands its DRAM KV cache to the daemon as a POSIX shared-memory file
-under /dev/shm. The daemon maps that file read-write and shared, so the
-addresses it registers with NIXL are its own mapping of the engine's pages:
-bytes a peer writes there are seen by the engine, and nothing is copied.
+An engine hands its DRAM KV cache to the daemon either as a descriptor (a
+memfd passed over the engine socket, :func:`map_dram_descriptor`) or as a
+POSIX shared-memory file under /dev/shm (:func:`map_dram_region`). The daemon
+maps it read-write and shared, so the addresses it registers with NIXL are
+its own mapping of the engine's pages: bytes a peer writes there are seen by
+the engine, and nothing is copied.
 
-The path comes from an engine over the RPC socket, so it is untrusted: it must
-resolve to a regular file under /dev/shm (no symlink escapes), owned by the
-engine's uid when that is known, and exactly as large as the engine says.
+Both come from an engine, so they are untrusted. A path must resolve to a
+regular file under /dev/shm (no symlink escapes); a descriptor must be a
+memfd sealed against shrinking, because memory that shrinks under the
+daemon's mapping kills it with SIGBUS on the next touch. Either must be
+owned by the engine's uid when that is known, and exactly as large as the
+engine says.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Final
@@ -71,7 +77,11 @@ class MappedRegion:
 
     def __init__(self, name: str, mapping: mmap.mmap, path: str, fd: int) -> None:
         self.name = name
-        self.path = path
+        self.path = path  # the file, or "memfd:NAME" for memory passed by descriptor
+        st = os.fstat(fd)
+        # Which memory this is, whatever name or descriptor number it came by:
+        # an engine that registers again must bring this same memory.
+        self.identity: tuple[int, int] = (st.st_dev, st.st_ino)
         self.size = len(mapping)
         self.memory = MemoryKind.DRAM
         self.device = 0
@@ -171,6 +181,106 @@ def map_dram_region(spec: RegionSpec, *, owner_uid: int | None) -> MappedRegion:
         os.close(fd)
         raise RegionError(f"region {spec.name!r}: cannot map {spec.path!r}: {exc}") from None
     return MappedRegion(spec.name, mapping, real, fd)
+
+
+# Seals a region passed by descriptor must carry: a memfd that can shrink
+# could be cut under the daemon's mapping.
+_REQUIRED_SEALS: Final = fcntl.F_SEAL_SHRINK
+
+
+def memory_identity(fd: int) -> tuple[int, int]:
+    """(device, inode) of the memory behind ``fd``: equal for the same memfd or file."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def descriptor_of(spec: RegionSpec, descriptors: Sequence[int]) -> int:
+    """The descriptor ``spec`` names among those its connection carried."""
+    if not 0 <= spec.descriptor < len(descriptors):
+        carried = len(descriptors)
+        raise RegionError(
+            f"region {spec.name!r} names descriptor {spec.descriptor}; the connection's Hello"
+            f" carried {carried} descriptor{'s' if carried != 1 else ''}"
+        )
+    return descriptors[spec.descriptor]
+
+
+def map_dram_descriptor(
+    spec: RegionSpec, descriptors: Sequence[int], *, owner_uid: int | None
+) -> MappedRegion:
+    """Validate and map a region an engine passed as a memfd (SCM_RIGHTS), read-write, shared.
+
+    The region gets its own duplicate of the descriptor: the connection's
+    copies close with the connection, the memory stays mapped until the
+    engine is forgotten.
+    """
+    if spec.memory is not MemoryKind.DRAM:
+        raise RegionError(f"region {spec.name!r} is {spec.memory.value}, not DRAM")
+    if spec.path:
+        raise RegionError(f"region {spec.name!r} names both a descriptor and a path")
+    if spec.size <= 0:
+        raise RegionError(f"region {spec.name!r} has size {spec.size}; it must be positive")
+    passed = descriptor_of(spec, descriptors)
+    name = _memfd_name(passed)
+    try:
+        seals = fcntl.fcntl(passed, fcntl.F_GET_SEALS)
+    except OSError:
+        raise RegionError(
+            f"region {spec.name!r}: descriptor {spec.descriptor} is not a memfd"
+            " (memfd_create with MFD_ALLOW_SEALING)"
+        ) from None
+    if seals & _REQUIRED_SEALS != _REQUIRED_SEALS:
+        raise RegionError(
+            f"region {spec.name!r}: memfd {name!r} is not sealed against shrinking"
+            " (F_SEAL_SHRINK): memory cut under the daemon's mapping would kill it"
+        )
+    st = os.fstat(passed)
+    if owner_uid is not None and st.st_uid != owner_uid:
+        raise RegionError(
+            f"region {spec.name!r}: memfd {name!r} is owned by uid {st.st_uid},"
+            f" not by the engine's uid {owner_uid}"
+        )
+    if st.st_size != spec.size:
+        raise RegionError(
+            f"region {spec.name!r}: memfd {name!r} is {st.st_size} bytes,"
+            f" the engine declared {spec.size}"
+        )
+    fd = os.dup(passed)  # non-inheritable, like every descriptor Python makes
+    try:
+        mapping = mmap.mmap(fd, spec.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        os.close(fd)
+        raise RegionError(f"region {spec.name!r}: cannot map memfd {name!r}: {exc}") from None
+    return MappedRegion(spec.name, mapping, name, fd)
+
+
+def map_dram(
+    spec: RegionSpec, descriptors: Sequence[int], *, owner_uid: int | None
+) -> MappedRegion:
+    """Map a DRAM region however the engine shares it: by descriptor, or by its file's path."""
+    if spec.descriptor >= 0:
+        return map_dram_descriptor(spec, descriptors, owner_uid=owner_uid)
+    return map_dram_region(spec, owner_uid=owner_uid)
+
+
+def brought_identity(spec: RegionSpec, descriptors: Sequence[int]) -> tuple[int, int] | None:
+    """The identity of the memory a registration names now (None: not there to name)."""
+    try:
+        if spec.descriptor >= 0:
+            return memory_identity(descriptor_of(spec, descriptors))
+        st = os.stat(resolve_shm_path(spec.path))
+    except (OSError, RegionError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _memfd_name(fd: int) -> str:
+    # /proc names a memfd "/memfd:NAME (deleted)"; the name is only for messages.
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return f"fd {fd}"
+    return target.removeprefix("/").removesuffix(" (deleted)")
 
 
 def create_shm_file(path: str, size: int, *, mode: int = 0o600) -> RegionSpec:

@@ -25,6 +25,7 @@ import structlog
 from daemon import failpoints
 from daemon.dataplane.memory import RegionError
 from daemon.framing import EmptyFrame, FrameReader, FrameTooLarge, FrameWriter
+from daemon.node.descriptors import MAX_DESCRIPTORS, Carried, accept_stream
 from daemon.node.lifecycle import Lifecycle
 from daemon.node.serializer import KeyedSerializer
 from daemon.node.socketclaim import SocketClaim
@@ -76,9 +77,18 @@ class Session:
     replies a group commit releases, say), in the order they were sent.
     """
 
-    def __init__(self, writer: asyncio.StreamWriter, pid: int, uid: int, gid: int) -> None:
+    def __init__(
+        self,
+        writer: asyncio.StreamWriter,
+        pid: int,
+        uid: int,
+        gid: int,
+        carried: Carried | None = None,
+    ) -> None:
         self.writer = writer
         self.pid, self.uid, self.gid = pid, uid, gid
+        # Descriptors the connection's first bytes carried (its Hello's).
+        self.carried = carried or Carried((), False)
         self.frames = FrameWriter(writer)
         self.closed = False
         # Requests in flight on this connection, in a safe order (see EngineServer._submit).
@@ -115,11 +125,16 @@ class Session:
         with contextlib.suppress(Exception):
             self.frames.flush()
 
+    @property
+    def descriptors(self) -> tuple[int, ...]:
+        return self.carried.fds
+
     def close(self) -> None:
         if not self.closed:
             self._send_events()
             self.flush()  # what was sent before the close still leaves
         self.closed = True
+        self.carried.close()
         with contextlib.suppress(Exception):
             self.writer.close()
 
@@ -195,7 +210,7 @@ class EngineServer:
         self.allowed_uids = set(allowed_uids) or {os.getuid(), 0}
         self.allowed_gids = set(allowed_gids)
         self.sessions: set[Session] = set()
-        self._server: asyncio.AbstractServer | None = None
+        self._acceptor: asyncio.Task[None] | None = None
         self._claim: SocketClaim | None = None
         self._decoder = msgspec.msgpack.Decoder(rpc.Request)
         # The application's calls join these two when serving starts (start()).
@@ -214,32 +229,23 @@ class EngineServer:
         Raises :class:`daemon.startup.StartupError` when another daemon owns
         the path, or it cannot be bound (daemon/node/socketclaim.py).
         """
-        if self._claim is not None:
-            return
-        self._claim = SocketClaim.take(self.path)
-        try:
-            self._server = await asyncio.start_unix_server(
-                self._serve,
-                sock=self._claim.sock,
-                limit=self.max_frame_bytes + 64,
-                start_serving=False,
-            )
-        except BaseException:
-            self._claim.sock.close()
-            self._claim.release()
-            self._claim = None
-            raise
+        if self._claim is None:
+            self._claim = SocketClaim.take(self.path)
+            self._claim.sock.setblocking(False)
 
     async def start(self, app: EngineApp) -> None:
         self._app = app
         self._handlers.update(app.calls.handlers())
         await self.bind()
-        assert self._server is not None
-        await self._server.start_serving()
+        assert self._claim is not None
+        self._acceptor = asyncio.create_task(
+            self._accept(self._claim.sock), name="kvpushd-engine-accept"
+        )
 
     def stop_accepting(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        if self._acceptor is not None:
+            self._acceptor.cancel()
+            self._acceptor = None
 
     async def close(self) -> None:
         self.stop_accepting()
@@ -256,26 +262,42 @@ class EngineServer:
 
     def release(self) -> None:
         """Close the listening socket and give the path up, removing it only if it is ours."""
-        if self._server is not None:
-            self._server.close()
+        self.stop_accepting()
         if self._claim is not None:
             self._claim.sock.close()
             self._claim.release()
             self._claim = None
+
+    async def _accept(self, listener: socket.socket) -> None:
+        # Accepted here, not by asyncio's server: a connection's first bytes
+        # may carry descriptors, which only recvmsg reads (daemon/node/descriptors.py).
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except OSError as exc:
+                # Out of descriptors, say: the listener stays; try again shortly.
+                log.warning("engine socket accept failed", node=self.identity.node, error=str(exc))
+                await asyncio.sleep(0.1)
+                continue
+            task = asyncio.create_task(self._serve(conn), name="kvpushd-engine-session")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     def _allowed(self, uid: int, gid: int, groups: tuple[int, ...]) -> bool:
         if uid in self.allowed_uids or gid in self.allowed_gids:
             return True
         return not self.allowed_gids.isdisjoint(groups)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        sock = writer.get_extra_info("socket")
-        pid, uid, gid = peer_credentials(sock)
-        groups = peer_groups(sock) if self.allowed_gids else ()
-        session = Session(writer, pid, uid, gid)
+    async def _serve(self, conn: socket.socket) -> None:
+        try:
+            reader, writer, carried = await accept_stream(conn, self.max_frame_bytes + 64)
+        except (OSError, asyncio.CancelledError):
+            conn.close()
+            return
+        pid, uid, gid = peer_credentials(conn)
+        groups = peer_groups(conn) if self.allowed_gids else ()
+        session = Session(writer, pid, uid, gid, carried)
         clog = log.bind(node=self.identity.node, peer_pid=pid, peer_uid=uid)
         try:
             if not self._allowed(uid, gid, groups):
@@ -295,15 +317,13 @@ class EngineServer:
             await self._loop(reader, session, clog)
         except asyncio.CancelledError:
             # Loop teardown after a journal failure cancels us. Ending normally
-            # matters on 3.11: the server's done-callback calls task.exception()
-            # on a cancelled task and logs a spurious traceback after the one
+            # keeps asyncio from logging a spurious traceback after the one
             # line that says why the daemon exits.
             pass
         finally:
             self.sessions.discard(session)
             self.app.disconnected(session)
             session.close()
-            self._tasks.discard(task)
 
     async def _loop(self, reader: asyncio.StreamReader, session: Session, clog: Any) -> None:
         frames = FrameReader(reader)
@@ -460,6 +480,17 @@ class EngineServer:
                 req.id,
                 rpc.BAD_REQUEST,
                 f"protocol {req.protocol} not supported, this daemon speaks {speaks}",
+            )
+        carried = session.carried
+        if carried.truncated or req.descriptors != len(carried.fds):
+            arrived = f"more than {MAX_DESCRIPTORS}" if carried.truncated else len(carried.fds)
+            carried.close()  # which region is which can no longer be told
+            return rpc.Error(
+                req.id,
+                rpc.BAD_REQUEST,
+                f"the Hello says it carries {req.descriptors} descriptors and {arrived} "
+                "arrived with its first bytes: send them with the Hello's first bytes, "
+                f"at most {MAX_DESCRIPTORS}",
             )
         # The client's own version: the one this connection speaks from now on.
         session.protocol = req.protocol

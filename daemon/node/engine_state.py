@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from daemon.dataplane.memory import MappedRegion, OffloadPool
 from daemon.dataplane.vram import VramRegion
-from schemas.kvlayout import EngineSpec, RegionSpec, RemoteEngine
+from schemas.kvlayout import EngineSpec, MemoryNote, RegionSpec, RemoteEngine
 
 Region = MappedRegion | VramRegion
 
@@ -22,6 +22,11 @@ class EngineSession(Protocol):
     uid: int
     gid: int
     pid: int
+
+    @property
+    def descriptors(self) -> tuple[int, ...]:
+        """Descriptors the connection's Hello carried (memory passed by SCM_RIGHTS)."""
+        ...
 
     def send_event(self, event: Any) -> None: ...
 
@@ -36,3 +41,5 @@ class EngineState:
     offload_region: MappedRegion | None = None
     offload_spec: RegionSpec | None = None
     live: int = 0
+    # The engine's word on its memory: its KV cache itself or a mirror, and why.
+    note: MemoryNote | None = None

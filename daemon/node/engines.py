@@ -23,7 +23,13 @@ from typing import Any
 
 import structlog
 
-from daemon.dataplane.memory import MappedRegion, OffloadPool, RegionError, map_dram_region
+from daemon.dataplane.memory import (
+    MappedRegion,
+    OffloadPool,
+    RegionError,
+    brought_identity,
+    map_dram,
+)
 from daemon.dataplane.plane import DataPlane, DataPlaneError
 from daemon.dataplane.vram import open_vram_region
 from daemon.node.engine_state import EngineSession, EngineState, Region
@@ -120,7 +126,9 @@ class Engines:
                     Reason.ENGINE_IN_USE,
                     f"engine {req.engine_id} is registered with a different layout",
                 )
+            _check_same_memory(existing, req, session.descriptors)
             existing.session = session
+            existing.note = req.memory_note
             self._resend_outcomes(req.engine_id)
             return rpc.Ok(req.id)
         # The pool's size is part of the layout: while live requests hold
@@ -132,11 +140,11 @@ class Engines:
         attach = self._ledger.registry.check_attach(spec.layout(req.offload_slots, overlays))
         # Off the loop: opening the first VRAM region initializes CUDA in this
         # process (seconds), which must not stall heartbeats or other engines' RPCs.
-        regions = await asyncio.to_thread(self._map_regions, spec, session.uid)
+        regions = await asyncio.to_thread(self._map_regions, spec, session.uid, session.descriptors)
         offload_region: MappedRegion | None = None
         try:
             if req.offload is not None:
-                offload_region = map_dram_region(req.offload, owner_uid=session.uid)
+                offload_region = map_dram(req.offload, session.descriptors, owner_uid=session.uid)
             remote = await self._dataplane.add_local_engine(spec, regions)
         except (DataPlaneError, RegionError) as exc:
             for region in regions.values():
@@ -148,6 +156,7 @@ class Engines:
             raise RegionError(str(exc)) from exc
         engine = EngineState(spec, regions, remote, session)
         engine.offload_region, engine.offload_spec = offload_region, req.offload
+        engine.note = req.memory_note
         try:
             await self._windows.open_for_all_peers(engine)
             if offload_region is not None:
@@ -184,19 +193,21 @@ class Engines:
                 self.offload[(record.request_id, record.incarnation)] = (engine_id, slots)
 
     @staticmethod
-    def _map_one(region: Any, uid: int) -> Region:
+    def _map_one(region: Any, uid: int, descriptors: tuple[int, ...]) -> Region:
         # GPU KV caches come as CUDA IPC handles, opened on their GPU (daemon/dataplane/vram.py).
         if region.memory is MemoryKind.VRAM:
             return open_vram_region(region, owner_uid=uid)
-        return map_dram_region(region, owner_uid=uid)
+        return map_dram(region, descriptors, owner_uid=uid)
 
-    def _map_regions(self, spec: EngineSpec, uid: int) -> dict[str, Region]:
+    def _map_regions(
+        self, spec: EngineSpec, uid: int, descriptors: tuple[int, ...]
+    ) -> dict[str, Region]:
         regions: dict[str, Region] = {}
         try:
             for region in spec.regions:
                 if region.name in regions:
                     raise RegionError(f"region name {region.name!r} is declared twice")
-                regions[region.name] = self._map_one(region, uid)
+                regions[region.name] = self._map_one(region, uid, descriptors)
         except BaseException:
             for mapped in regions.values():
                 mapped.close()
@@ -336,3 +347,28 @@ def _check_offload(req: rpc.RegisterEngine) -> None:
             f"offload region {offload.name!r} of {offload.size} bytes does not split into "
             f"{req.offload_slots} equal slots (offload_slots must be at least 1)"
         )
+
+
+def _check_same_memory(
+    engine: EngineState, req: rpc.RegisterEngine, descriptors: tuple[int, ...]
+) -> None:
+    """An engine that registers again must bring the memory the daemon has mapped.
+
+    Same layout, other memory (a new memfd, or a file made anew under the
+    old name) would leave the daemon writing into memory the engine no
+    longer reads: the bytes land, and the engine computes on its own.
+    """
+    mapped = dict(engine.regions)
+    if engine.offload_region is not None and req.offload is not None:
+        mapped[req.offload.name] = engine.offload_region
+    for spec in (*req.regions, *((req.offload,) if req.offload is not None else ())):
+        region = mapped.get(spec.name)
+        if not isinstance(region, MappedRegion):
+            continue  # VRAM: the same CUDA IPC handle is the same allocation
+        if brought_identity(spec, descriptors) != region.identity:
+            raise Refusal(
+                Reason.ENGINE_IN_USE,
+                f"engine {req.engine_id} is registered with other memory in region "
+                f"{spec.name!r} ({region.path}): an engine that registers again must "
+                "bring the memory it registered with",
+            )

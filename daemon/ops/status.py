@@ -185,11 +185,16 @@ def _engines(st: dict[str, Any]) -> str:
             e["live"],
             e["groups"],
             "-" if e["offload_free"] is None else e["offload_free"],
+            e.get("memory") or "-",
+            e.get("kv") or "-",
         )
         for engine_id, e in sorted(st["engines"].items())
     ]
-    lines = [table(["engine", "connected", "live", "groups", "offload free"], rows)]
+    header = ["engine", "connected", "live", "groups", "offload free", "memory", "kv"]
+    lines = [table(header, rows)]
     for engine_id, e in sorted(st["engines"].items()):
+        if e.get("memory_why"):
+            lines.append(f"  {engine_id} memory: {e['memory_why']}")
         fingerprint = e.get("fingerprint")
         described = (
             " ".join(f"{k}={v}" for k, v in fingerprint.items()) if fingerprint else "none declared"

@@ -51,7 +51,15 @@ import msgspec
 from daemon.client import ClientError, ConnectionLost, EngineClient
 from daemon.sim import kvpattern
 from daemon.sim.engine_layout import SimError, SimGroup, SimLayout, expand, tail_pairs
-from daemon.sim.engine_shm import SHM_DIR, ShmRegion, allocate, default_shm_prefix
+from daemon.sim.engine_shm import (
+    FILE,
+    SHM_DIR,
+    MemfdRegion,
+    Region,
+    ShmRegion,
+    allocate,
+    default_shm_prefix,
+)
 from daemon.sim.kvpattern import Change, KvView, Mismatch, Pairs, Snapshot
 from schemas import rpc
 from schemas.fingerprint import Fingerprint
@@ -163,7 +171,7 @@ class SimEngine:
         role: Role,
         layout: SimLayout,
         groups: tuple[GroupSpec, ...],
-        regions: list[ShmRegion],
+        regions: list[Region],
     ) -> None:
         self.engine_id = engine_id
         self.role = role
@@ -195,21 +203,27 @@ class SimEngine:
         background: bool = True,
         timeout: float = 30.0,
         fingerprint: Fingerprint | None = None,
+        memory: str = FILE,
     ) -> SimEngine:
         """Allocate the cache, fill it, connect, and register the engine.
 
+        ``memory``: ``"file"`` (a /dev/shm file per group) or ``"descriptor"``
+        (a sealed memfd per group, passed with the Hello).
         ``background`` fills every block with this engine's own pattern and
         the guards with a canary first, so a write of zeros is visible too.
         ``fingerprint`` is what the engine says produced its KV (none by default).
         """
         layout = msgspec.convert(list(layout), SimLayout)
         prefix = shm_prefix or default_shm_prefix(engine_id)
-        groups, regions = allocate(layout, prefix, shm_dir)
+        groups, regions = allocate(layout, prefix, shm_dir, memory)
         engine = cls(engine_id, Role(role), layout, groups, regions)
         try:
             engine._prepare_memory(background)
             engine._client = await EngineClient.connect(
-                socket_path, client_name=client_name or f"sim:{engine_id}", timeout=timeout
+                socket_path,
+                client_name=client_name or f"sim:{engine_id}",
+                timeout=timeout,
+                descriptors=engine.descriptors,
             )
             await engine._client.register_engine(
                 engine_id, groups, engine.region_specs, fingerprint=fingerprint
@@ -237,7 +251,13 @@ class SimEngine:
 
     @property
     def shm_paths(self) -> tuple[str, ...]:
-        return tuple(r.path for r in self._shm)
+        """The /dev/shm files of the cache (none when it is shared by descriptor)."""
+        return tuple(r.path for r in self._shm if isinstance(r, ShmRegion))
+
+    @property
+    def descriptors(self) -> tuple[int, ...]:
+        """The memfds to pass with a Hello, in the order the region specs name them."""
+        return tuple(r.fd for r in self._shm if isinstance(r, MemfdRegion) and r.fd is not None)
 
     @property
     def client(self) -> EngineClient:

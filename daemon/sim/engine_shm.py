@@ -10,6 +10,10 @@ region per group (not per layer) keeps the file count and the daemon's
 NIXL registrations small while groups keep their own block sizes. The
 files are unlinked on :meth:`daemon.sim.engine.SimEngine.close`, at
 interpreter exit, and in process mode on SIGTERM/SIGINT.
+
+With ``memory="descriptor"`` each region is a sealed memfd instead
+(:class:`MemfdRegion`, daemon/client/memfd.py), passed to the daemon with
+the engine's Hello: no file at all.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Final
 
 import numpy as np
 
+from daemon.client.memfd import create_kv_memfd
 from daemon.sim.engine_layout import SimError, SimGroup, SimLayout
 from schemas.kvlayout import GroupSpec, LayerSpec, MemoryKind, RegionSpec
 
@@ -88,6 +93,38 @@ class ShmRegion:
             self._map = None
 
 
+class MemfdRegion:
+    """One region as a sealed memfd, mapped; shared by descriptor ``index``, gone when closed."""
+
+    def __init__(self, name: str, label: str, size: int, index: int) -> None:
+        self.name = name
+        self.path = f"memfd:{label}"  # no file: what /proc calls it, for messages
+        self.size = size
+        self.index = index
+        self.fd: int | None = create_kv_memfd(label, size)
+        self._map: mmap.mmap | None = mmap.mmap(self.fd, size)
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+
+    def spec(self) -> RegionSpec:
+        """How the engine names this region to its daemon: by its place among the descriptors."""
+        return RegionSpec(self.name, self.size, MemoryKind.DRAM, descriptor=self.index)
+
+    def close(self) -> None:
+        self.array = np.empty(0, dtype=np.uint8)
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # a caller still holds a view
+                self._map.close()
+            self._map = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+Region = ShmRegion | MemfdRegion
+FILE: Final = "file"
+DESCRIPTOR: Final = "descriptor"
+
+
 def default_shm_prefix(engine_id: str, pid: int | None = None) -> str:
     """The default file-name prefix: ``kvpushd-{engine_id}-{pid}``, file-name safe."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)
@@ -99,29 +136,34 @@ def _round_up(n: int, to: int) -> int:
 
 
 def _group_memory(
-    g: int, group: SimGroup, prefix: str, shm_dir: str
-) -> tuple[GroupSpec, ShmRegion]:
+    g: int, group: SimGroup, prefix: str, shm_dir: str, memory: str
+) -> tuple[GroupSpec, Region]:
     name = f"g{g}"
     stride = _round_up(group.num_blocks * group.block_bytes, _PAGE) + GUARD_BYTES
     layers = tuple(LayerSpec(name, GUARD_BYTES + li * stride) for li in range(group.layers))
-    region = ShmRegion(
-        name, os.path.join(shm_dir, f"{prefix}-{name}"), GUARD_BYTES + group.layers * stride
-    )
+    size = GUARD_BYTES + group.layers * stride
+    region: Region
+    if memory == DESCRIPTOR:
+        region = MemfdRegion(name, f"{prefix}-{name}", size, g)
+    else:
+        region = ShmRegion(name, os.path.join(shm_dir, f"{prefix}-{name}"), size)
     spec = GroupSpec(group.kind, group.num_blocks, group.block_bytes, layers, group.per_logical)
     return spec, region
 
 
 def allocate(
-    layout: SimLayout, prefix: str, shm_dir: str = SHM_DIR
-) -> tuple[tuple[GroupSpec, ...], list[ShmRegion]]:
-    """Create one shm region per group; on failure, unlink what was created."""
+    layout: SimLayout, prefix: str, shm_dir: str = SHM_DIR, memory: str = FILE
+) -> tuple[tuple[GroupSpec, ...], list[Region]]:
+    """Create one region per group (a file, or a memfd); on failure, free what was created."""
+    if memory not in (FILE, DESCRIPTOR):
+        raise SimError(f"memory must be {FILE!r} or {DESCRIPTOR!r}, not {memory!r}")
     specs: list[GroupSpec] = []
-    regions: list[ShmRegion] = []
+    regions: list[Region] = []
     try:
         for g, group in enumerate(layout):
             if group.num_blocks < 0 or group.block_bytes < 1 or group.layers < 1:
                 raise SimError(f"group {g}: invalid sizes {group}")
-            spec, region = _group_memory(g, group, prefix, shm_dir)
+            spec, region = _group_memory(g, group, prefix, shm_dir, memory)
             specs.append(spec)
             regions.append(region)
     except BaseException:
