@@ -336,3 +336,30 @@ def test_the_engines_memfd_is_sealed_allocated_and_zero() -> None:
         assert os.get_inheritable(fd) is False
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("how", ["two regions", "the offload pool"])
+async def test_one_memory_named_as_two_regions_is_refused(
+    solo_daemon: Daemon, fds: Callable[[int], int], how: str
+) -> None:
+    """A region maps its memory whole: the same memfd twice would alias their blocks."""
+    fd = fds(create_kv_memfd("kvpushd-twice", SIZE))
+    engine_id = f"twice-{_tag()}"
+    kv = RegionSpec("kv", SIZE, descriptor=0)
+    async with await EngineClient.connect(solo_daemon.socket, descriptors=(fd,)) as client:
+        with pytest.raises(RpcError, match="are the same memory") as refused:
+            if how == "two regions":
+                half = GROUPS[0].layers[1]
+                groups = (
+                    GroupSpec(GroupKind.ATTENTION, 32, 1024, (LayerSpec("kv", 0),)),
+                    GroupSpec(GroupKind.ATTENTION, 32, 1024, (LayerSpec("kv2", half.offset),)),
+                )
+                await client.register_engine(
+                    engine_id, groups, (kv, RegionSpec("kv2", SIZE, descriptor=0))
+                )
+            else:
+                # The daemon zeroes a freed slot: over the KV cache, that is live KV.
+                offload = RegionSpec("pool", SIZE, descriptor=0)
+                await client.register_engine(engine_id, GROUPS, (kv,), offload, offload_slots=4)
+        assert refused.value.code == rpc.BAD_REGION
+        assert engine_id not in solo_daemon.status()["engines"]

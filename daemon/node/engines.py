@@ -145,6 +145,7 @@ class Engines:
         try:
             if req.offload is not None:
                 offload_region = map_dram(req.offload, session.descriptors, owner_uid=session.uid)
+            _check_distinct(regions, offload_region)
             remote = await self._dataplane.add_local_engine(spec, regions)
         except (DataPlaneError, RegionError) as exc:
             for region in regions.values():
@@ -347,6 +348,26 @@ def _check_offload(req: rpc.RegisterEngine) -> None:
             f"offload region {offload.name!r} of {offload.size} bytes does not split into "
             f"{req.offload_slots} equal slots (offload_slots must be at least 1)"
         )
+
+
+def _check_distinct(regions: dict[str, Region], offload: MappedRegion | None) -> None:
+    """Two regions must be two memories: a region maps its memory whole, from byte 0.
+
+    The same memfd or file named twice would alias one region's blocks onto
+    the other's: a write meant for one lands in both, and an offload pool
+    over the KV cache would have the daemon zero live KV when a slot is freed.
+    """
+    seen: dict[tuple[int, int], str] = {}
+    named = [*regions.items(), *((("offload " + offload.name, offload),) if offload else ())]
+    for name, region in named:
+        if not isinstance(region, MappedRegion):
+            continue
+        first = seen.setdefault(region.identity, name)
+        if first != name:
+            raise RegionError(
+                f"regions {first!r} and {name!r} are the same memory ({region.path}): "
+                "each region must be memory of its own"
+            )
 
 
 def _check_same_memory(
