@@ -30,7 +30,6 @@ what a CPU build's staging costs (``make bench``).
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import sys
@@ -41,6 +40,7 @@ from pathlib import Path
 import torch
 
 from bench.results import load_average, machine, write_section
+from daemon.client.vllm.sharedmemory import FILE, SharedMemory
 from daemon.client.vllm.staging import AUTO, GATHER, RUNS, Staging, block_major
 
 TITLE = "Host staging's block copies (bench/staging_copy.py)"
@@ -120,7 +120,8 @@ def _run_copies(
     path: Path,
     copies: str,
 ) -> list[Row]:
-    staging = Staging.create(views, groups, path, copies=copies)
+    memory = SharedMemory(FILE, path)
+    staging = Staging.create(views, groups, memory, copies=copies)
     rng = random.Random(1)
     rows: list[Row] = []
     # Map every mirror page once, as a serving instance's first steps do:
@@ -158,8 +159,7 @@ def _run_copies(
                 )
     finally:
         staging.close()
-        os.close(staging.lock_fd)
-        path.unlink()
+        memory.close()
     return rows
 
 

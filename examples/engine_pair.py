@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from daemon.client import EngineClient
+from daemon.client import EngineClient, create_kv_memfd
 from schemas import rpc
 from schemas.kvlayout import GroupSpec, LayerSpec, RegionSpec
 from schemas.layout import GroupKind, Role
@@ -30,27 +30,24 @@ REGION_BYTES = LAYERS * NUM_BLOCKS * BLOCK_BYTES  # 128 KiB: the whole cache
 
 
 class Engine:
-    """An engine's KV cache in /dev/shm, and its connection to its own daemon."""
+    """An engine's KV cache in a sealed memfd, and its connection to its own daemon."""
 
-    def __init__(self, name: str, node: str, client: EngineClient, path: str) -> None:
-        self.name, self.node, self.client, self.path = name, node, client, path
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o660)
-        try:
-            os.ftruncate(fd, REGION_BYTES)
-            self.kv = torch.frombuffer(mmap.mmap(fd, REGION_BYTES), dtype=torch.uint8)
-        finally:
-            os.close(fd)
+    def __init__(self, name: str, node: str, client: EngineClient, fd: int) -> None:
+        self.name, self.node, self.client, self.fd = name, node, client, fd
+        self.kv = torch.frombuffer(mmap.mmap(fd, REGION_BYTES), dtype=torch.uint8)
         # kv[layer, block] is block `block` of layer `layer`: BLOCK_BYTES bytes.
         self.kv = self.kv.view(LAYERS, NUM_BLOCKS, BLOCK_BYTES)
 
     @classmethod
     async def start(cls, name: str, socket: str, node: str) -> Engine:
-        client = await EngineClient.connect(socket)
-        engine = cls(name, node, client, f"/dev/shm/example-{name}-{os.getpid()}")
+        # No file: the memory goes to the daemon as a descriptor with the Hello.
+        fd = create_kv_memfd(f"example-{name}", REGION_BYTES)
+        client = await EngineClient.connect(socket, descriptors=(fd,))
+        engine = cls(name, node, client, fd)
         # Layer l's blocks start at l * NUM_BLOCKS * BLOCK_BYTES in region "kv".
         layers = tuple(LayerSpec("kv", layer * NUM_BLOCKS * BLOCK_BYTES) for layer in range(LAYERS))
         groups = (GroupSpec(GroupKind.ATTENTION, NUM_BLOCKS, BLOCK_BYTES, layers),)
-        region = RegionSpec("kv", REGION_BYTES, path=engine.path)
+        region = RegionSpec("kv", REGION_BYTES, descriptor=0)  # the Hello's first descriptor
         await client.register_engine(name, groups, (region,))
         return engine
 
@@ -69,7 +66,7 @@ class Engine:
 
     async def close(self) -> None:
         await self.client.close()
-        os.unlink(self.path)
+        os.close(self.fd)  # the daemon lets go of its copy once the engine is gone
 
 
 async def transfer(request_id: str, prefill: Engine, decode: Engine, prefill_first: bool) -> None:

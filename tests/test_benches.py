@@ -81,6 +81,18 @@ def test_daemon_bench_quick_prints_every_row_with_numbers() -> None:
     assert len(re.findall(r"^pair \d+: push GB/s daemon/bare ", out, re.M)) == 2
 
 
+def test_memory_bench_quick_prints_both_modes_every_row_with_numbers() -> None:
+    out = _bench("bench.memory_bench", "--quick", timeout=300)
+    rows = {name: cells for name, cells in _rows(out).items() if not name.startswith("per ")}
+    assert len(rows) == 3, rows
+    labels = ("make the engine's memory", "attach: connect + register_engine", "push, the whole")
+    for label in labels:
+        (cells,) = [cells for name, cells in rows.items() if name.startswith(label)]
+        assert all(SPREAD.match(cell) for cell in cells), (label, cells)
+    # Each round ran both modes, and every push's bytes were compared (else it raised).
+    assert len(re.findall(r"^round \d+: push GB/s descriptor [\d.]+ file [\d.]+;", out, re.M)) == 2
+
+
 @pytest.mark.slow
 def test_profile_lifecycle_prints_both_daemons_top_functions() -> None:
     out = _bench(

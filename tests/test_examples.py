@@ -127,7 +127,7 @@ def test_engine_pair_example_runs_against_the_readme_daemons(readme_daemons):
         "req-a-to-b: engine-a -> engine-b, 6 blocks checked",
         "req-b-to-a: engine-b -> engine-a, 6 blocks checked",
     ]
-    # It cleans up after itself: no region file is left behind.
+    # Its KV memory is a memfd: no file under /dev/shm, before or after.
     assert _example_regions() <= regions_before
 
 
@@ -151,6 +151,8 @@ def test_walkthrough_says_what_an_integrator_must_know():
     text = " ".join(_section("Integrating an engine").split())
     for said in (
         "examples/engine_pair.py",
+        "sealed memfd",
+        "descriptors=(fd,)",
         "/dev/shm",
         "0660",
         "owned by the engine's user",

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from daemon.client.vllm.sharedmemory import DESCRIPTOR, FILE, SharedMemory
 from daemon.client.vllm.staging import (
     AUTO,
     GATHER,
@@ -47,18 +48,19 @@ def _cache(hybrid: bool = False) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def make_staging(tmp_path: Path):
-    """Stagings made in the test, closed (and their mirror's lock released) after it."""
-    made: list[Staging] = []
+    """Stagings made in the test (mirrors in memfds, as by default), closed after it."""
+    made: list[tuple[Staging, SharedMemory]] = []
 
     def make(cache: dict[str, torch.Tensor], groups, copies: str = AUTO) -> Staging:
-        s = Staging.create(cache, groups, tmp_path / "mirror", copies=copies)
-        made.append(s)
+        memory = SharedMemory(DESCRIPTOR, tmp_path / f"mirror-{len(made)}")
+        s = Staging.create(cache, groups, memory, copies=copies)
+        made.append((s, memory))
         return s
 
     yield make
-    for s in made:
+    for s, memory in made:
         s.close()
-        os.close(s.lock_fd)
+        memory.close()
 
 
 @pytest.fixture(params=[RUNS, GATHER])
@@ -168,7 +170,7 @@ def test_a_mirror_too_big_for_dev_shm_is_one_clear_error_naming_its_size(small_t
     width = 1 << 20  # two 4 MiB layers: 8 MiB of cache, in a 1 MiB tmpfs
     cache = {name: torch.zeros(width, dtype=torch.float32) for name in _cache()}
     with pytest.raises(StagingError) as refused:
-        Staging.create(cache, [list(cache)], small_tmpfs / "mirror")
+        Staging.create(cache, [list(cache)], SharedMemory(FILE, small_tmpfs / "mirror"))
     message = str(refused.value)
     assert "host staging needs a mirror" in message, message
     assert "bytes are free there" in message and "--shm-size" in message, message
@@ -184,7 +186,9 @@ def test_a_cpu_cache_copies_runs_unless_told_and_an_unknown_mode_is_refused(
     # Scattered ids on a CPU: still a copy per run (no launch to save).
     assert not auto._gathers([(0, 1), (2, 3), (4, 5)])
     with pytest.raises(StagingError, match="copies must be"):
-        Staging.create(cache, [list(cache)], tmp_path / "other", copies="scatter")
+        Staging.create(
+            cache, [list(cache)], SharedMemory(DESCRIPTOR, tmp_path / "other"), copies="scatter"
+        )
 
 
 def test_a_gather_moves_its_blocks_in_chunks_of_bounded_size(
@@ -206,3 +210,28 @@ def test_a_gather_moves_its_blocks_in_chunks_of_bounded_size(
         assert torch.equal(mirror[ids], layer[ids])
         others = [b for b in range(BLOCKS) if b not in ids]
         assert not mirror[others].any()
+
+
+def test_a_mirror_passed_by_descriptor_is_no_file_and_a_file_mirror_is_one(tmp_path: Path) -> None:
+    cache = _cache()
+    by_descriptor = SharedMemory(DESCRIPTOR, tmp_path / "by-descriptor")
+    by_file = SharedMemory(FILE, tmp_path / "by-file")
+    try:
+        for memory in (by_descriptor, by_file):
+            staging = Staging.create(cache, [list(cache)], memory)
+            staging.copy_out([(tuple(range(BLOCKS)),)]).wait()
+            for name, tensor in cache.items():
+                assert torch.equal(staging.mirror[name], tensor)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["by-file"]
+        assert by_descriptor.region().descriptor == 0 and by_descriptor.region().path == ""
+        assert len(by_descriptor.descriptors) == 1 and by_file.descriptors == ()
+        assert by_file.region().path == str(tmp_path / "by-file")
+        # What the daemon would map is what the mirror holds: the memfd's own bytes.
+        (fd,) = by_descriptor.descriptors
+        first = cache["model.layers.0.attn"]
+        mirrored = os.pread(fd, first[0].nbytes, 0)
+        assert mirrored == first[0].contiguous().view(torch.uint8).numpy().tobytes()
+    finally:
+        by_descriptor.close()
+        by_file.close()
+    assert list(tmp_path.iterdir()) == []  # a file mirror goes at close

@@ -18,6 +18,7 @@ more), the decode's load ends as failed, and the decode daemon ends empty.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -121,6 +122,11 @@ def test_a_prefill_daemon_killed_mid_write_then_restarted_loses_no_token_and_no_
         time.sleep(0.1)
     names = _names(prefill.journal_events(transfer))
     assert "Failed" in names and names[-1] == "Released", names
+    # The restarted daemon maps the prefill's KV memory again from the memfd
+    # the connector passed with its new Hello: no file anywhere.
+    (engine,) = prefill.status()["engines"].values()
+    assert (engine["memory"], engine["kv"]) == ("descriptor", "cache"), engine
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("kvpushd-vllm-")]
     external_before = d.metrics().total(EXTERNAL, source="external_kv_transfer")
     for length in (60, 140):
         other = [rng.randrange(2, 512) for _ in range(length)]

@@ -49,12 +49,15 @@ def pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
     # Host staging on both sides (daemon/client/vllm/staging.py): vLLM's
     # cache is its own, the daemons see mirrors; every test of this module
     # proves the staging's bookkeeping too. The other modules map vLLM's
-    # cache itself (kv_buffer "shared", the CPU default).
+    # cache itself (kv_buffer "shared", the CPU default). The prefill's mirror
+    # is a named /dev/shm file (kv_memory "file"), the decode's a memfd passed
+    # by descriptor (the default, as in every other module): pushes go from
+    # one kind of memory to the other.
     staged = {"kv_buffer": "host"}
     with kvpushd_pd(
         tiny_model,
         tmp_path_factory.mktemp("pd"),
-        prefill_extra_config=staged,
+        prefill_extra_config={**staged, "kv_memory": "file"},
         decode_extra_config=staged,
     ) as pair:
         yield pair
@@ -335,9 +338,25 @@ def test_the_connectors_stats_reach_vllms_metrics(pd: PD) -> None:
 
 def test_both_sides_say_at_start_up_where_their_host_mirror_is(pd: PD) -> None:
     p, d, _, _ = pd
-    for server in (p, d):
+    for server, where in ((p, " in /dev/shm/kvpushd-vllm-"), (d, " in a sealed memfd (")):
         (line,) = [ln for ln in server.log.read_text().splitlines() if "host staging:" in ln]
-        assert "-byte mirror of 1 KV storage(s) on cpu in " in line, line
+        assert "-byte mirror of 1 KV storage(s) on cpu" + where in line, line
+
+
+def test_each_daemon_shows_how_its_engines_memory_came_and_only_a_file_mirror_is_a_file(
+    pd: PD,
+) -> None:
+    p, d, prefill, decode = pd
+    (p_line,) = prefill.status()["engines"].values()
+    (d_line,) = decode.status()["engines"].values()
+    assert (p_line["memory"], p_line["kv"]) == ("file", "staging"), p_line
+    assert (d_line["memory"], d_line["kv"]) == ("descriptor", "staging"), d_line
+    assert "kv_memory = 'file'" in p_line["memory_why"], p_line
+    assert "sealed memfd passed by descriptor" in d_line["memory_why"], d_line
+    assert "host mirror" in d_line["memory_why"], d_line
+    # The prefill's mirror file is the only kvpushd file; the decode has none.
+    owners = {_owner(name) for name in _kv_files()}
+    assert len(owners) == 1 and owners <= set(p.pids()), (owners, p.pids(), d.pids())
 
 
 def test_both_legs_at_once_under_the_routers_transfer_id_are_token_exact(pd: PD) -> None:

@@ -15,6 +15,8 @@ from daemon.client.errors import (
     RequestTooLarge,
     RpcError,
 )
+from daemon.client.kvfile import KvFileError
+from daemon.client.memfd import create_kv_memfd
 
 __all__ = [
     "BlockingEngineClient",
@@ -23,7 +25,9 @@ __all__ = [
     "ConnectionLost",
     "DaemonUnreachable",
     "EngineClient",
+    "KvFileError",
     "ProtocolError",
     "RequestTooLarge",
     "RpcError",
+    "create_kv_memfd",
 ]

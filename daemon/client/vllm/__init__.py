@@ -69,13 +69,17 @@ thread, and events come back through a queue drained once per step.
   once (docs/mamba-on-vllm-cpu.md).
 - No daemon yet: vLLM starts anyway and serves without remote KV (its
   pushes and loads end at once) until the daemon is up, then registers.
-- Memory: ``get_mem_pool_context`` makes vLLM's one KV buffer a /dev/shm file
-  the daemon maps; ``register_kv_caches`` derives the layout (blocks, layers,
-  block bytes) from vLLM's tensors and registers the engine. The file keeps
-  its name while vLLM runs (a restarted daemon maps it again) and goes at
-  shutdown; one left by a vLLM killed with SIGKILL is removed by the next
-  connector that starts on the machine (the owner holds a lock on it for its
-  life, daemon/client/kvfile.py, so a live one is never removed).
+- Memory: ``get_mem_pool_context`` makes vLLM's one KV buffer memory the
+  daemon maps: a sealed memfd passed with the link's Hello (``kv_memory =
+  "descriptor"``, the default; no file, nothing to sweep) or a named
+  /dev/shm file (``kv_memory = "file"``); ``register_kv_caches`` derives
+  the layout (blocks, layers, block bytes) from vLLM's tensors and
+  registers the engine. The memory lives while vLLM runs (a restarted
+  daemon maps it again: the memfd goes with every new Hello, the file
+  keeps its name) and goes at shutdown; a file left by a vLLM killed with
+  SIGKILL is removed by the next connector that starts on the machine in
+  that mode (the owner holds a lock on it for its life,
+  daemon/client/kvfile.py, so a live one is never removed).
 - Daemon restarts: the worker notices the connection end at once and
   reconnects with backoff, registering the engine again. A lost connection
   is not an answer: what it held ends (sends: blocks back to vLLM; loads:
@@ -93,7 +97,8 @@ The parts, each owning one thing (what imports vLLM, only vLLM loads):
 - ``worker``: each step's pushes and loads, on vLLM's thread.
 - ``link``: the event loop thread, the connection to the daemon, reconnection.
 - ``calls``: the daemon calls and what the loop thread remembers of them.
-- ``memory``: the KV memory the daemon maps, and its layout as groups of layers.
+- ``sharedmemory``: the region shared with the daemon (a memfd, or a file).
+- ``memory``: vLLM's KV memory made into that region, and its layout as groups of layers.
 - ``shares``, ``loads``, ``params``, ``specs``: pure (no vLLM, no torch):
   which shares a TP/PP transfer is and on which slice each lies, a load's
   all-or-nothing end, the router parameters, what the sides hand each other.

@@ -35,7 +35,7 @@ from daemon.client.vllm.specs import (
 from daemon.client.vllm.staging import Copy
 from schemas import rpc
 from schemas.fingerprint import Fingerprint
-from schemas.kvlayout import GroupSpec, RegionSpec
+from schemas.kvlayout import GroupSpec, MemoryNote, RegionSpec
 from schemas.layout import Role
 from schemas.reasons import Reason
 
@@ -69,6 +69,8 @@ class DaemonCalls:
         # The engine's memory, once vLLM registered it.
         self._groups: tuple[GroupSpec, ...] = ()
         self._region: RegionSpec | None = None
+        self._note: MemoryNote | None = None
+        self.descriptors: tuple[int, ...] = ()
         # The slice engines the specs named: registered when first used, and
         # again on every new connection.
         self._slices: Slices = {}
@@ -87,9 +89,17 @@ class DaemonCalls:
         self._unsure: dict[str, PushSpec | ReceiveSpec] = {}
         self.link = Link(socket_path, engine_id, self)
 
-    def registered(self, groups: tuple[GroupSpec, ...], region: RegionSpec) -> None:
+    def registered(
+        self,
+        groups: tuple[GroupSpec, ...],
+        region: RegionSpec,
+        descriptors: tuple[int, ...],
+        note: MemoryNote,
+    ) -> None:
         """The engine's memory (vLLM's thread, before the link connects)."""
-        self._groups, self._region = groups, region
+        self._groups, self._region, self._note = groups, region, note
+        # Passed with every Hello (the region names descriptor 0).
+        self.descriptors = descriptors
 
     # the link's session ----------------------------------------------------
 
@@ -99,7 +109,11 @@ class DaemonCalls:
         # goes to the engine it was first registered on.
         self._slices_registered = set()
         await client.register_engine(
-            self._engine_id, self._groups, (self._region,), fingerprint=self._fingerprint
+            self._engine_id,
+            self._groups,
+            (self._region,),
+            fingerprint=self._fingerprint,
+            memory_note=self._note,
         )
         for slice_id in list(self._slices):
             await self._register_slice(client, slice_id)
@@ -283,7 +297,9 @@ class DaemonCalls:
     async def _register_slice(self, client: EngineClient, slice_id: str) -> None:
         assert self._region is not None
         groups, slice_print = self._slices[slice_id]
-        await client.register_engine(slice_id, groups, (self._region,), fingerprint=slice_print)
+        await client.register_engine(
+            slice_id, groups, (self._region,), fingerprint=slice_print, memory_note=self._note
+        )
         self._slices_registered.add(slice_id)
 
     async def _register_pusher(self, push: PushSpec, client: EngineClient) -> None:

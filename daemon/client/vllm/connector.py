@@ -27,6 +27,7 @@ from daemon.client.vllm import stats as vs
 from daemon.client.vllm.layout import check_supported, fingerprint, group_states, group_windows
 from daemon.client.vllm.metadata import KvpushdConnectorMetadata
 from daemon.client.vllm.scheduler import HOLD_EVERY_S, SchedulerSide
+from daemon.client.vllm.sharedmemory import kv_memory
 from daemon.client.vllm.staging import SHARED, kv_buffer
 from daemon.client.vllm.worker import WorkerSide
 
@@ -108,6 +109,7 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
                 pp_size,
                 group_layers=tuple(tuple(g.layer_names) for g in groups) if groups else None,
                 buffer=kv_buffer(extra.get("kv_buffer"), str(device or "cpu")),
+                memory=kv_memory(extra.get("kv_memory")),
                 num_blocks=getattr(kv_cache_config, "num_blocks", None),
                 states=self._states,
             )

@@ -39,6 +39,10 @@ CALL_TIMEOUT_S: Final = 30.0
 class Session(Protocol):
     """What the link's connections mean for the transfers (all on the loop thread)."""
 
+    # The memory the engine shares by descriptor, passed with every Hello
+    # (set by vLLM's thread before the link starts; read-only afterwards).
+    descriptors: tuple[int, ...]
+
     async def register(self, client: EngineClient) -> None:
         """Register the engine (and its slices) on a new connection."""
 
@@ -113,6 +117,8 @@ class Link:
             client_name=f"vllm:{self._engine_id}",
             on_event=lambda event: self._session.on_event(event, came_on[0]),
             queue_events=False,  # the callback is the only consumer
+            # The KV memory, if shared by descriptor: a new daemon maps it anew.
+            descriptors=self._session.descriptors,
         )
         came_on.append(client)
         lived = lost is not None and bool(lost[1]) and client.boot_id == lost[1]

@@ -1,7 +1,8 @@
-"""The KV memory the daemon sees: vLLM's cache in a /dev/shm file, and its layout.
+"""The KV memory the daemon sees: vLLM's cache in memory the daemon maps, and its layout.
 
-``SharedAllocation`` turns vLLM's one flat KV allocation into a file the
-daemon maps; ``check_memory`` refuses memory the daemon could not read;
+``SharedAllocation`` turns vLLM's one flat KV allocation into the memory
+the daemon maps (``sharedmemory.SharedMemory``); ``check_memory`` refuses
+memory the daemon could not read;
 ``in_model_order`` orders vLLM's layers as the model does; ``layout``
 describes the blocks as kvpushd's groups and layers (offsets into that
 one region). Runs on vLLM's thread, at registration.
@@ -10,31 +11,25 @@ one region). Runs on vLLM's thread, at registration.
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from daemon.client.kvfile import create_kv_file
+from daemon.client.vllm.sharedmemory import DESCRIPTOR, SharedMemory
 from daemon.client.vllm.staging import SHARED
 from schemas.fingerprint import Fingerprint
-from schemas.kvlayout import GroupSpec, LayerSpec, RegionSpec
+from schemas.kvlayout import GroupSpec, KvPlacement, LayerSpec, MemoryNote, RegionSpec
 from schemas.layout import GroupKind
-
-SHM_DIR: Final = "/dev/shm"
-SHM_PREFIX: Final = "kvpushd-vllm-"
 
 
 class SharedAllocation(TorchFunctionMode):
-    """Turns vLLM's one flat int8 KV allocation into a /dev/shm file the daemon maps."""
+    """Turns vLLM's one flat int8 KV allocation into the memory the daemon maps."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, memory: SharedMemory) -> None:
         super().__init__()
-        self.path = path
+        self.memory = memory
         self.buffer: torch.Tensor | None = None
-        # Holds the file's lock for the process's life (daemon/client/kvfile.py).
-        self.lock_fd: int | None = None
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -48,11 +43,25 @@ class SharedAllocation(TorchFunctionMode):
             and isinstance(args[0], int)
             and torch.device(kwargs.get("device", "cpu")).type == "cpu"
         ):
-            size = args[0]
-            self.lock_fd = create_kv_file(self.path, size)
-            self.buffer = torch.from_file(str(self.path), shared=True, size=size, dtype=torch.int8)
+            self.buffer = self.memory.tensor(args[0])
             return self.buffer
         return func(*args, **kwargs)
+
+
+def memory_note(buffer: str, memory: SharedMemory, device: str) -> MemoryNote:
+    """The engine's word to its daemon on its memory (``kvpushd status`` shows it)."""
+    how = (
+        "a sealed memfd passed by descriptor"
+        if memory.how == DESCRIPTOR
+        else f"{memory.path} (kv_memory = 'file')"
+    )
+    if buffer == SHARED:
+        return MemoryNote(KvPlacement.CACHE, f"vLLM's KV cache itself, in {how}")
+    return MemoryNote(
+        KvPlacement.STAGING,
+        f"a host mirror, in {how}, of vLLM's KV cache on {device}: the engine "
+        "copies blocks out before a push and in after a load (kv_buffer = 'host')",
+    )
 
 
 def check_memory(
@@ -127,7 +136,7 @@ def layout(
     kv_caches: dict[str, torch.Tensor],
     group_layers: tuple[tuple[str, ...], ...],
     buffer: torch.Tensor,
-    path: Path,
+    region: RegionSpec,
     states: tuple[bool, ...] = (False,),
 ) -> tuple[tuple[GroupSpec, ...], RegionSpec]:
     """One group per KV cache group, its layers vLLM's views of the shared buffer.
@@ -140,13 +149,14 @@ def layout(
     group (``states``: Mamba/SSM) is an SSM group of whole pages.
     """
     size = buffer.untyped_storage().nbytes()
+    assert size == region.size, (size, region.size)
     order = list(kv_caches)
     groups = []
     for g, names in enumerate(group_layers):
         # In the order the worker sorted the layers (model order).
         members = {name: kv_caches[name] for name in sorted(names, key=order.index)}
         groups.append(_group(members, buffer.data_ptr(), size, g < len(states) and states[g]))
-    return tuple(groups), RegionSpec("kv", size, path=str(path))
+    return tuple(groups), region
 
 
 def _group(

@@ -2,7 +2,8 @@
 
 With ``kv_buffer = "host"`` (the connector's extra config; the only mode
 for a cache on a GPU), vLLM allocates its KV cache as it always does, and
-the connector keeps a *mirror* of it in a /dev/shm file the daemon maps:
+the connector keeps a *mirror* of it in memory the daemon maps (a memfd
+passed by descriptor, or a /dev/shm file: daemon/client/vllm/sharedmemory.py):
 every storage vLLM's layer tensors view, byte for byte, at the same offsets.
 Block ``b`` of a layer is then at the same place in the mirror as in the
 cache, so the block ids vLLM hands the connector name the mirror's blocks
@@ -37,12 +38,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from daemon.client.kvfile import KvFileError, create_kv_file
+from daemon.client.kvfile import KvFileError
+from daemon.client.vllm.sharedmemory import SharedMemory
 
 # Under vLLM's logger tree: vLLM prints only that tree (its "vllm" logger
 # does not propagate), so the connector's lines reach vLLM's log this way.
@@ -77,7 +78,15 @@ class StagingError(RuntimeError):
 def kv_buffer(setting: object, device_type: str) -> str:
     """The connector's ``kv_buffer`` mode: the setting's, else by where vLLM's cache lives."""
     if setting is None or setting == "":
-        return SHARED if device_type == "cpu" else HOST
+        if device_type == "cpu":
+            return SHARED
+        log.info(
+            "kvpushd: host staging (kv_buffer = 'host'), chosen because vLLM's KV cache is on "
+            "%s: this connector hands the daemon host memory only, so the daemon maps a host "
+            "mirror and each push and load copies its blocks through it",
+            device_type,
+        )
+        return HOST
     if setting not in KV_BUFFERS:
         raise ValueError(
             f"KvpushdConnector: kv_buffer = {setting!r}; choose one of {', '.join(KV_BUFFERS)}"
@@ -173,14 +182,12 @@ class Staging:
         mirror: dict[str, torch.Tensor],
         groups: Sequence[Sequence[str]],
         buffer: torch.Tensor,
-        lock_fd: int,
         copies: str = AUTO,
     ) -> None:
         self.cache = cache
         self.mirror = mirror
         self.groups = [list(names) for names in groups]
-        self.buffer = buffer  # the whole mirror file, int8
-        self.lock_fd = lock_fd
+        self.buffer = buffer  # the whole mirror, int8
         self.copies = copies
         self._cuda = any(t.device.type == "cuda" for t in cache.values())
         self._stream = torch.cuda.Stream() if self._cuda else None
@@ -193,10 +200,10 @@ class Staging:
         cls,
         cache: dict[str, torch.Tensor],
         groups: Sequence[Sequence[str]],
-        path: Path,
+        memory: SharedMemory,
         copies: str = AUTO,
     ) -> Staging:
-        """Make the mirror file at ``path``: each storage the layers view, back to back."""
+        """Make the mirror in ``memory``: each storage the layers view, back to back."""
         if copies not in (AUTO, RUNS, GATHER):
             raise StagingError(f"KvpushdConnector: copies must be {AUTO}, {RUNS} or {GATHER}")
         storages: dict[int, tuple[int, int]] = {}  # data_ptr -> (offset in the file, nbytes)
@@ -210,13 +217,12 @@ class Staging:
         if not storages:
             raise StagingError("KvpushdConnector: vLLM registered no KV cache to stage")
         try:
-            lock_fd = create_kv_file(path, size)
+            buffer = memory.tensor(size)
         except (KvFileError, OSError) as exc:
             raise StagingError(
                 f"KvpushdConnector: host staging needs a mirror as large as vLLM's KV cache "
                 f"storages: {exc}"
             ) from exc
-        buffer = torch.from_file(str(path), shared=True, size=size, dtype=torch.int8)
         mirror = {}
         for name, tensor in cache.items():
             offset, nbytes = storages[tensor.untyped_storage().data_ptr()]
@@ -225,14 +231,14 @@ class Staging:
             # storage, not from this slice: the storage's own place goes in.
             start = offset // tensor.element_size() + tensor.storage_offset()
             mirror[name] = flat.as_strided(tensor.shape, tensor.stride(), start)
-        staging = cls(cache, mirror, groups, buffer, lock_fd, copies)
+        staging = cls(cache, mirror, groups, buffer, copies)
         staging._pin()
         log.info(
             "kvpushd: host staging: a %d-byte mirror of %d KV storage(s) on %s in %s%s",
             size,
             len(storages),
             next(iter(cache.values())).device,
-            path,
+            memory.where(),
             " (pinned)" if staging._pinned else "",
         )
         return staging

@@ -13,7 +13,6 @@ and in.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -30,14 +29,14 @@ from daemon.client.vllm.calls import DaemonCalls
 from daemon.client.vllm.layout import rank_fingerprint
 from daemon.client.vllm.loads import Load
 from daemon.client.vllm.memory import (
-    SHM_DIR,
-    SHM_PREFIX,
     SharedAllocation,
     check_memory,
     in_model_order,
     layout,
+    memory_note,
 )
 from daemon.client.vllm.metadata import KvpushdConnectorMetadata
+from daemon.client.vllm.sharedmemory import DESCRIPTOR, FILE, SHM_DIR, SHM_PREFIX, SharedMemory
 from daemon.client.vllm.shares import RankPlan
 from daemon.client.vllm.specs import (
     MAX_SEEN,
@@ -70,6 +69,7 @@ class WorkerSide:
         *,
         group_layers: tuple[tuple[str, ...], ...] | None = None,
         buffer: str = SHARED,
+        memory: str = DESCRIPTOR,
         num_blocks: int | None = None,
         states: tuple[bool, ...] = (False,),
     ) -> None:
@@ -100,10 +100,14 @@ class WorkerSide:
             pp_size,
             corrupts=failpoints.corrupts,
         )
-        sweep_stale_kv_files(Path(SHM_DIR), SHM_PREFIX)
-        # The pid in the name tells an operator whose file it is (the sweep
-        # goes by the owner's lock, daemon/client/kvfile.py).
-        self._path = Path(SHM_DIR) / f"{SHM_PREFIX}{os.getpid()}-{engine_id}"
+        if memory == FILE:
+            sweep_stale_kv_files(Path(SHM_DIR), SHM_PREFIX)
+        # The pid in the name tells an operator whose memory it is (in
+        # /proc/PID/fd for a memfd; the sweep goes by a file's owner's lock,
+        # daemon/client/kvfile.py).
+        self._memory = SharedMemory(
+            memory, Path(SHM_DIR) / f"{SHM_PREFIX}{os.getpid()}-{engine_id}"
+        )
         self._allocation: SharedAllocation | None = None
         # What the daemon says, and the connector's own word on the link's
         # loop thread (GaveUp, Freed, DaemonLost), in order: drained each step.
@@ -135,7 +139,7 @@ class WorkerSide:
     # memory -------------------------------------------------------------
 
     def shared_allocation(self) -> SharedAllocation:
-        self._allocation = SharedAllocation(self._path)
+        self._allocation = SharedAllocation(self._memory)
         return self._allocation
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -157,20 +161,23 @@ class WorkerSide:
             buffer = allocation.buffer
         else:
             try:
-                self._staging = Staging.create(kv_caches, group_layers, self._path)
+                self._staging = Staging.create(kv_caches, group_layers, self._memory)
             except StagingError as exc:
                 raise RuntimeError(str(exc)) from exc
             # The daemon sees the mirror: same shapes, same offsets, its own file.
             kv_caches, buffer = self._staging.mirror, self._staging.buffer
-        groups, region = layout(kv_caches, group_layers, buffer, self._path, self._states)
+        region = self._memory.region()
+        groups, region = layout(kv_caches, group_layers, buffer, region, self._states)
         own = self._plan.own
         held = own.kv_head_range[1] - own.kv_head_range[0]
         head_major = all(t.dim() == 4 and t.shape[1] == held for t in kv_caches.values())
         self._plan.registered(groups, layer_ids, head_major)
         self._group_nbytes = tuple(group.block_bytes * len(group.layers) for group in groups)
-        self._calls.registered(groups, region)
-        # The file keeps its name while vLLM runs: a restarted daemon maps it
-        # again when the connector registers anew.
+        device = next(iter(self._staging.cache.values())).device if self._staging else "cpu"
+        note = memory_note(self.buffer, self._memory, str(device))
+        self._calls.registered(groups, region, self._memory.descriptors, note)
+        # The memory lives as long as vLLM: a restarted daemon maps it again
+        # when the connector registers anew (a memfd goes with each Hello).
         self._link.start()
 
     # per step -----------------------------------------------------------
@@ -437,12 +444,7 @@ class WorkerSide:
 
     def close(self) -> None:
         self._link.close()
-        with contextlib.suppress(FileNotFoundError):
-            self._path.unlink()
-        if self._allocation is not None and self._allocation.lock_fd is not None:
-            os.close(self._allocation.lock_fd)
-            self._allocation.lock_fd = None
         if self._staging is not None:
             self._staging.close()
-            os.close(self._staging.lock_fd)
             self._staging = None
+        self._memory.close()
