@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 import tempfile
@@ -35,12 +34,12 @@ from pathlib import Path
 
 from bench.results import write_section
 from bench.vllm_pd_bench import Prompts, paused
-from harness.tinydeepseek import write_tinydeepseek
+from harness.tinydeepseek import SERVER_ARGS, write_tinydeepseek
 from harness.tinynemotron import write_tinynemotron
 from harness.vllm_router import percentile, route, single
 from harness.vllm_servers import NIXL_PULL, VllmServer, VllmServerError, kvpushd_pd, nixl_pd
 
-ROPE = ("--compilation-config", json.dumps({"custom_ops": ["all", "-rotary_embedding"]}))
+ROPE = SERVER_ARGS  # vLLM's own rope, and its reference CPU MLA backend
 # model -> (writer, block size, flags for every server, NixlConnector's env)
 MODELS: dict[str, tuple[Callable[[Path], Path], int, tuple[str, ...], dict[str, str]]] = {
     "mla": (write_tinydeepseek, 16, ROPE, {}),

@@ -58,6 +58,17 @@ from harness.tinyllama import CONFIG, WEIGHTS, digest, write_safetensors
 
 # Standard deviation times sqrt(fan_in), by projection (see the docstring);
 # kv_b_proj is split per head into its key and value rows.
+# What a vLLM server of this checkpoint is started with. vLLM's own rope
+# (above). And its reference CPU MLA backend, named: on a CPU with AMX tiles
+# vLLM picks AMX_MLA instead, whose kernels take bf16 weights only and
+# refuse this float32 checkpoint at load ("expect weight to be bfloat16,
+# ..."; seen on a CI machine with amx_tile).
+SERVER_ARGS: Final = (
+    "--compilation-config",
+    json.dumps({"custom_ops": ["all", "-rotary_embedding"]}),
+    "--attention-backend",
+    "CPU_MLA",
+)
 _GAINS: Final = {"q_proj": 2.0, "kv_a_proj_with_mqa": 2.0, "o_proj": 3.0}
 _KEY_GAIN: Final = 2.0
 _VALUE_GAIN: Final = 3.0

@@ -25,7 +25,6 @@ TP 1 instance's first load registers its blocks in reverse
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator
 
@@ -33,12 +32,13 @@ import pytest
 from split_pairs import TOKENS, Shape, Side, load_split_across_ranks, split_pair
 
 from daemon.sim.launcher import wait_idle
-from harness.tinydeepseek import write_tinydeepseek
+from harness.tinydeepseek import SERVER_ARGS, write_tinydeepseek
 from harness.vllm_router import prefill_leg
 from schemas.events import Released
 
-# vLLM's own rope (forward_native) instead of the CPU op that breaks MLA.
-ROPE = ("--compilation-config", json.dumps({"custom_ops": ["all", "-rotary_embedding"]}))
+# vLLM's own rope (forward_native) instead of the CPU op that breaks MLA, and
+# its reference CPU MLA backend whatever the CPU (harness/tinydeepseek.py).
+ROPE = SERVER_ARGS
 BLOCK = 16
 
 

@@ -30,7 +30,6 @@ were not loaded.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
@@ -40,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from daemon.sim.launcher import wait_idle
-from harness.tinydeepseek import write_tinydeepseek
+from harness.tinydeepseek import SERVER_ARGS, write_tinydeepseek
 from harness.tinyllama import TinyLlama, write_tinyllama
 from harness.vllm_router import prefill_leg
 from harness.vllm_servers import kvpushd_pd
@@ -66,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         write_tinydeepseek(work / "model") if args.mla else write_tinyllama(work / "model", shape)
     )
     # vLLM's CPU MLA backend takes blocks of 16 and mis-rotates with its own rope op.
-    rope = ("--compilation-config", json.dumps({"custom_ops": ["all", "-rotary_embedding"]}))
+    rope = SERVER_ARGS
     mla = (
         {
             "prefill_block_size": 16,
