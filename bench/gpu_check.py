@@ -2,9 +2,13 @@
 
 Needs one CUDA GPU; run it through ``bench/gpu_check.sh`` on the device machine.
 
-1. Starts a prefill and a decode daemon (real processes, real NIXL over UCX)
-   and two engine processes whose KV caches are CUDA tensors, shared with
-   their daemons through CUDA IPC (:mod:`daemon.dataplane.vram`).
+1. Starts a prefill and a decode daemon (real processes, real NIXL over UCX,
+   ``UCX_PROTO_INFO=y``) and two engine processes whose KV caches are GPU
+   memory shared with their daemons: by default cuMem allocations exported
+   as file descriptors and passed with each engine's Hello, which the
+   daemons import and map as their own (:mod:`daemon.dataplane.cumem`);
+   ``--memory ipc``: CUDA tensors shared by legacy CUDA IPC handles
+   (:mod:`daemon.dataplane.vram`).
 2. Pushes requests covering no hit, partial hit, full hit and a batch of
    concurrent ones. After each, the decode engine compares its whole cache ON
    THE GPU with the expected tensors (every destination block byte for byte,
@@ -15,9 +19,11 @@ Needs one CUDA GPU; run it through ``bench/gpu_check.sh`` on the device machine.
    BlocksFreeable, as bench/daemon_bench.py) and with bare NIXL agents in the
    engine processes on the same VRAM (make_prepped_xfer -> DONE, as
    bench/nixl_bare.py), 64 KiB and 1 MiB blocks, contiguous and scattered
-   destinations; every run's bytes are verified on the GPU. Prints a table last.
+   destinations; every run's bytes are verified on the GPU. Prints a table
+   last, then the UCX transports the daemons' logs name (``cuda_ipc`` is the
+   fast path; ``tcp`` between two daemons on one GPU is the emulation).
 
-    python3 -m bench.gpu_check [--total-mib 1024] [--runs 5] [--logs DIR]
+    python3 -m bench.gpu_check [--total-mib 1024] [--runs 5] [--logs DIR] [--memory ipc]
 
 Exit status: 0 passed, 1 a check failed, 2 no GPU here (or the stack is missing).
 """
@@ -27,8 +33,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import json
 import multiprocessing
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -112,10 +120,19 @@ class GpuCache:
     """
 
     def __init__(
-        self, torch: Any, layout: Sequence[Group], background_seed: int, *, dram: bool = False
+        self,
+        torch: Any,
+        layout: Sequence[Group],
+        background_seed: int,
+        *,
+        dram: bool = False,
+        descriptor: bool = False,
     ) -> None:
         self.torch = torch
         self.dram = dram
+        # Memory passed by descriptor: a cuMem export on the GPU, a memfd in a dry run.
+        self.descriptor = descriptor
+        self.held: list[Any] = []  # ExportedVram, or memfd descriptors: closed at unlink()
         self.device = torch.device("cpu") if dram else torch.device("cuda", 0)
         self.layout = tuple(layout)
         self.regions: dict[str, Any] = {}
@@ -142,6 +159,20 @@ class GpuCache:
         return [(f"g{g}", GAP + layer * (span + GAP)) for layer in range(group.layers)]
 
     def _empty(self, n: int) -> Any:
+        if self.descriptor and not self.dram:
+            from daemon.dataplane.cumem import ExportedVram
+
+            exported = ExportedVram.create(n, 0)  # rounded up to the device's granularity
+            self.held.append(exported)
+            return exported.tensor()
+        if self.descriptor:
+            from daemon.client import create_kv_memfd
+
+            fd = create_kv_memfd(f"kvpushd-gpu-check-{os.getpid()}", n)
+            self.held.append(fd)
+            return self.torch.from_file(
+                f"/proc/self/fd/{fd}", shared=True, size=n, dtype=self.torch.uint8
+            )
         if not self.dram:
             return self.torch.empty(n, dtype=self.torch.uint8, device=self.device)
         from daemon.dataplane.memory import SHM_ROOT, create_shm_file
@@ -154,6 +185,16 @@ class GpuCache:
         for path in self.shm_paths:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+        self.regions.clear()
+        self.reference.clear()
+        for held in self.held:
+            with contextlib.suppress(Exception):
+                held.close() if hasattr(held, "close") else os.close(held)
+        self.held.clear()
+
+    def descriptors(self) -> tuple[int, ...]:
+        """The descriptors to pass with the Hello, in the order share() names them."""
+        return tuple(getattr(held, "fd", held) for held in self.held)
 
     def _random(self, seed: int, n: int) -> Any:
         gen = self.torch.Generator(device=self.device)
@@ -224,7 +265,7 @@ class GpuCache:
         return found
 
     def share(self) -> tuple[Any, Any]:
-        """GroupSpecs and VRAM RegionSpecs (CUDA IPC handles) for register_engine."""
+        """GroupSpecs and RegionSpecs (descriptors, CUDA IPC handles, files) to register."""
         from daemon.dataplane.vram import share_cuda_tensor
         from schemas.kvlayout import GroupSpec, LayerSpec, MemoryKind, RegionSpec
         from schemas.layout import GroupKind
@@ -239,7 +280,13 @@ class GpuCache:
             )
             for g, group in enumerate(self.layout)
         )
-        if self.dram:
+        if self.descriptor:
+            kind = MemoryKind.DRAM if self.dram else MemoryKind.VRAM
+            regions = tuple(
+                RegionSpec(n, t.numel(), kind, device=0, descriptor=i)
+                for i, (n, t) in enumerate(self.regions.items())
+            )
+        elif self.dram:
             regions = tuple(
                 RegionSpec(n, t.numel(), MemoryKind.DRAM, path=path)
                 for (n, t), path in zip(self.regions.items(), self.shm_paths, strict=True)
@@ -348,31 +395,48 @@ def _block_rows(base: int, block_bytes: int, n: int, device: int) -> np.ndarray:
 class Engine:
     """The command handlers of one engine process (``cmd_*``), driven over a pipe."""
 
-    def __init__(self, name: str, socket_path: str, dram: bool) -> None:
+    def __init__(self, name: str, socket_path: str, dram: bool, descriptor: bool) -> None:
         import torch
 
         if not dram:
             torch.cuda.set_device(0)
         self.torch = torch
         self.dram = dram
+        self.descriptor = descriptor
         self.name = name
+        self.socket_path = socket_path
         self.client = _connect(socket_path, f"gpu-check:{name}")
+        # Memory by descriptor goes with a Hello: one connection per engine,
+        # made when it registers; each request's calls go on its engine's.
+        self.clients: dict[str, Any] = {}
+        self.engine_of: dict[str, str] = {}
         self.caches: dict[str, GpuCache] = {}
         self.events: dict[str, list[Any]] = defaultdict(list)
         self.bare: BareAgent | None = None
 
     def cmd_alloc(self, engine_id: str, layout: Sequence[Group], seed: int) -> int:
-        self.caches[engine_id] = GpuCache(self.torch, layout, seed, dram=self.dram)
+        self.caches[engine_id] = GpuCache(
+            self.torch, layout, seed, dram=self.dram, descriptor=self.descriptor
+        )
         return sum(t.numel() for t in self.caches[engine_id].regions.values())
 
     def cmd_register(self, engine_id: str) -> None:
-        groups, regions = self.caches[engine_id].share()
-        self.client.register_engine(engine_id, groups, regions, timeout=CALL_TIMEOUT_S)
+        cache = self.caches[engine_id]
+        groups, regions = cache.share()
+        client = self.client
+        if self.descriptor:
+            client = _connect(self.socket_path, f"gpu-check:{engine_id}", cache.descriptors())
+            self.clients[engine_id] = client
+        client.register_engine(engine_id, groups, regions, timeout=CALL_TIMEOUT_S)
+
+    def _client(self, rid: str) -> Any:
+        return self.clients.get(self.engine_of.get(rid, ""), self.client)
 
     def cmd_receive(self, engine_id: str, rid: str, blocks: list[list[int]], peer: str) -> None:
         from schemas.layout import Role
 
-        self.client.register_request(engine_id, rid, Role.RECEIVER, blocks, peer=peer)
+        self.engine_of[rid] = engine_id
+        self._client(rid).register_request(engine_id, rid, Role.RECEIVER, blocks, peer=peer)
 
     def cmd_prefill(
         self, engine_id: str, rid: str, blocks: list[list[int]], kv_ready: bool = True
@@ -382,14 +446,15 @@ class Engine:
 
         cache = self.caches[engine_id]
         cache.fill(request_seed(rid), expand(sim_layout(cache.layout), blocks))
-        self.client.register_request(engine_id, rid, Role.PUSHER, blocks)
+        self.engine_of[rid] = engine_id
+        self._client(rid).register_request(engine_id, rid, Role.PUSHER, blocks)
         if kv_ready:
-            self.client.kv_ready(rid)
+            self._client(rid).kv_ready(rid)
 
     def cmd_push_timed(self, rid: str) -> float:
         """Seconds from kv_ready to BlocksFreeable: the whole push as the engine sees it."""
         t0 = time.perf_counter()
-        self.client.kv_ready(rid)
+        self._client(rid).kv_ready(rid)
         self.cmd_wait(rid, "blocks_freeable")
         return time.perf_counter() - t0
 
@@ -408,7 +473,7 @@ class Engine:
             if left <= 0:
                 raise CheckFailed(f"no {kind} for {rid} within {timeout} s")
             with contextlib.suppress(TimeoutError):
-                event = self.client.next_event(timeout=left)
+                event = self._client(rid).next_event(timeout=left)
                 self.events[event.request_id].append(event)
 
     def cmd_expect(self, engine_id: str, rid: str, pairs: list[tuple[list[int], list[int]]]) -> int:
@@ -420,15 +485,17 @@ class Engine:
     def cmd_release(self, rid: str) -> None:
         from schemas import rpc
 
-        if isinstance(self.client.release(rid), rpc.Deferred):
+        client = self._client(rid)
+        if isinstance(client.release(rid), rpc.Deferred):
             deadline = time.monotonic() + 30
             while not any(isinstance(e, rpc.Released) for e in self.events[rid]):
                 if time.monotonic() > deadline:
                     raise CheckFailed(f"deferred release of {rid} never completed")
                 with contextlib.suppress(TimeoutError):
-                    event = self.client.next_event(timeout=1.0)
+                    event = client.next_event(timeout=1.0)
                     self.events[event.request_id].append(event)
         self.events.pop(rid, None)
+        self.engine_of.pop(rid, None)
 
     # ---- bare NIXL on the same tensors
 
@@ -469,12 +536,15 @@ class Engine:
         if self.bare is not None:
             with contextlib.suppress(Exception):
                 self.bare.close()
-        self.client.close()
+        for client in (*self.clients.values(), self.client):
+            client.close()
         for cache in self.caches.values():
             cache.unlink()
 
 
-def _connect(socket_path: str, client_name: str, wait_s: float = 90.0) -> Any:
+def _connect(
+    socket_path: str, client_name: str, descriptors: Sequence[int] = (), wait_s: float = 90.0
+) -> Any:
     """Connect once the daemon listens: engines start while their daemons come up."""
     from daemon.client import BlockingEngineClient, ConnectionLost
 
@@ -482,7 +552,10 @@ def _connect(socket_path: str, client_name: str, wait_s: float = 90.0) -> Any:
     while True:
         try:
             return BlockingEngineClient.connect(
-                socket_path, client_name=client_name, timeout=CALL_TIMEOUT_S
+                socket_path,
+                client_name=client_name,
+                timeout=CALL_TIMEOUT_S,
+                descriptors=descriptors,
             )
         except ConnectionLost:
             if time.monotonic() > deadline:
@@ -490,10 +563,12 @@ def _connect(socket_path: str, client_name: str, wait_s: float = 90.0) -> Any:
             time.sleep(0.2)
 
 
-def engine_main(conn: Connection, name: str, socket_path: str, dram: bool) -> None:
+def engine_main(
+    conn: Connection, name: str, socket_path: str, dram: bool, descriptor: bool
+) -> None:
     """An engine process: answer (command, kwargs) from the pipe until "close"."""
     try:
-        engine = Engine(name, socket_path, dram)
+        engine = Engine(name, socket_path, dram, descriptor)
     except Exception as exc:
         conn.send(("err", f"engine {name} did not start: {type(exc).__name__}: {exc}"))
         return
@@ -520,11 +595,11 @@ def engine_main(conn: Connection, name: str, socket_path: str, dram: bool) -> No
 class EngineProc:
     """A spawned engine process and its command pipe."""
 
-    def __init__(self, ctx: Any, name: str, socket_path: str, dram: bool) -> None:
+    def __init__(self, ctx: Any, name: str, socket_path: str, dram: bool, descriptor: bool) -> None:
         self.name = name
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(
-            target=engine_main, args=(child, name, socket_path, dram), daemon=True
+            target=engine_main, args=(child, name, socket_path, dram, descriptor), daemon=True
         )
         self.proc.start()
 
@@ -600,7 +675,10 @@ class Check:
         self.decode: EngineProc | None = None
         self.t0 = time.monotonic()
         # Say where bytes were checked: a DRAM dry run must never read as a GPU result.
-        self.kind = "DRAM (dry run)" if args.dram else "VRAM"
+        shared = "by descriptor" if args.memory == "descriptor" else "by CUDA IPC handle"
+        if args.dram:
+            shared = "by descriptor (memfd)" if args.memory == "descriptor" else "by /dev/shm file"
+        self.kind = ("DRAM (dry run)" if args.dram else "VRAM") + f" {shared}"
         self.where = "in DRAM, NO GPU" if args.dram else "on the GPU"
 
     def log(self, message: str) -> None:
@@ -620,11 +698,14 @@ class Check:
         self.daemons = [prefill, decode]
         for daemon in self.daemons:
             daemon.write_config = _relaxed_ttl(daemon.write_config)
+            # Which transport UCX picks for each push, in the daemons' logs.
+            daemon.env = {**daemon.env, "UCX_PROTO_INFO": "y"}
             daemon.start(wait=False)
         ctx = multiprocessing.get_context("spawn")
         # Engines import torch and start CUDA while the daemons come up.
-        self.prefill = EngineProc(ctx, "prefill-engine", prefill.socket, self.args.dram)
-        self.decode = EngineProc(ctx, "decode-engine", decode.socket, self.args.dram)
+        descriptor = self.args.memory == "descriptor"
+        self.prefill = EngineProc(ctx, "prefill-engine", prefill.socket, self.args.dram, descriptor)
+        self.decode = EngineProc(ctx, "decode-engine", decode.socket, self.args.dram, descriptor)
         for daemon in self.daemons:
             daemon.wait_ready(timeout=90)
         decode.wait_peer("prefill", timeout=60)
@@ -864,6 +945,34 @@ class Check:
             lines += [daemon_row.cells(bare_row), bare_row.cells(None)]
         return "\n".join(lines)
 
+    def transports(self) -> str:
+        """The UCX protocols of the daemons' writes (UCX_PROTO_INFO tables in their logs).
+
+        Only the "remote memory write" tables (what a push is), each with its
+        rows of size ranges and transports: ``cuda_ipc`` is the fast path
+        between two processes on one GPU, ``tcp`` there is the emulation.
+        """
+        row = re.compile(r"\|\s*[\d.]+(?:\.\.\S+)?\s*\|")
+        shown: list[str] = []
+        for daemon in self.daemons:
+            with contextlib.suppress(OSError):
+                in_write = False
+                for line in daemon.logs().splitlines():
+                    with contextlib.suppress(ValueError, KeyError, TypeError):
+                        line = json.loads(line)["event"]
+                    text = line.split("]", 2)[-1].strip()  # no UCX timestamp, host, pid
+                    if "remote memory write" in text:
+                        in_write = True
+                    elif " cfg#" in text or "active message" in text or "memory read" in text:
+                        in_write = False
+                        continue
+                    elif not (in_write and row.search(text)):
+                        continue
+                    if f"{daemon.node}: {text}" not in shown:
+                        shown.append(f"{daemon.node}: {text}")
+        listed = "\n".join(shown[:60]) or "(no UCX_PROTO_INFO write table in the daemons' logs)"
+        return f"UCX protocols of the daemons' writes (UCX_PROTO_INFO=y):\n{listed}"
+
     def dump_logs(self, failed: bool) -> None:
         for daemon in self.daemons:
             if self.args.logs:
@@ -934,6 +1043,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--budget-s", type=float, default=200.0, help="start no bench config after this"
     )
     parser.add_argument(
+        "--memory",
+        choices=("descriptor", "ipc"),
+        default="descriptor",
+        help="how engines share their caches: cuMem descriptors (memfds with --dram), "
+        "or legacy CUDA IPC handles (/dev/shm files with --dram)",
+    )
+    parser.add_argument(
         "--dram",
         action="store_true",
         help="dry-run this harness without a GPU (caches in /dev/shm); proves nothing about VRAM",
@@ -956,15 +1072,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         check.close()
     failed = not check.outcomes or not all(o.ok for o in check.outcomes)
     check.dump_logs(failed)
+    transports = check.transports()  # read from the daemons' logs, before they go
     shutil.rmtree(workdir, ignore_errors=True)
     print(summary(check, args), flush=True)
     print(check.table(), flush=True)
+    print(transports, flush=True)
     return 1 if failed else 0
 
 
 def summary(check: Check, args: argparse.Namespace) -> str:
     failed = [o.name for o in check.outcomes if not o.ok]
-    mode = "DRAM dry run, NO GPU" if args.dram else "VRAM"
+    mode = ("DRAM dry run, NO GPU" if args.dram else "VRAM") + f", memory by {args.memory}"
     verdict = "PASSED" if check.outcomes and not failed else "FAILED " + ", ".join(failed)
     passed = len(check.outcomes) - len(failed)
     return (

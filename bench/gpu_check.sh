@@ -2,10 +2,19 @@
 # Device check for GPU KV caches, on a machine with one NVIDIA GPU (the H200 device
 # machine): the VRAM unit tests, host staging's block copies timed and checked
 # (bench/staging_copy.py), then bench/gpu_check.py (two daemons, two engine
-# processes with CUDA-tensor KV caches, pushes verified on the GPU, 1 GiB through the
-# daemons against bare NIXL). Run from the repository root after bench/gpu_wheels.sh:
+# processes whose KV caches are cuMem allocations passed to the daemons as file
+# descriptors, pushes verified on the GPU, 1 GiB through the daemons against bare
+# NIXL between the engine processes on the same memory, and the UCX transports the
+# daemons used). Run from the repository root after bench/gpu_wheels.sh:
 #
 #     bash bench/gpu_check.sh                 # extra arguments go to bench/gpu_check.py
+#     bash bench/gpu_check.sh --memory ipc    # the legacy CUDA IPC path instead
+#
+# Expected, on one GPU: the unit tests pass (the cuMem test prints whether the
+# export is GPUDirect RDMA capable), staging copies print GB/s per direction, every
+# correctness check reads "ok", the table's "daemons" rows reach >= 0.9x the
+# "bare NIXL" rows at 64 KiB and 1 MiB blocks, and the transports list names
+# cuda_ipc (not tcp) for the daemons' VRAM pushes.
 #
 # With the device tool: run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=480).
 # Logs (daemons, outputs) go to $OUT when set, else /tmp/gpu_check_logs.
@@ -45,7 +54,7 @@ timeout -k 5 90 "$PY" -m bench.staging_copy --device cuda --no-record 2>&1 \
 staging=${PIPESTATUS[0]}
 [ "$staging" -eq 0 ] && echo "staging copies: passed" || echo "staging copies: FAILED (exit $staging)"
 
-echo "== end to end through two daemons"
+echo "== end to end through two daemons (KV memory passed as cuMem descriptors unless --memory ipc)"
 timeout -k 5 290 "$PY" -m bench.gpu_check --logs "$logs" "$@" 2>&1 | tee "$logs/gpu_check.txt"
 e2e=${PIPESTATUS[0]}
 if [ "$e2e" -ne 0 ]; then exit "$e2e"; fi

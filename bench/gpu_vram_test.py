@@ -92,3 +92,75 @@ def test_share_and_open_in_another_process_on_gpu() -> None:
         if proc.is_alive():
             proc.kill()
     assert proc.exitcode == 0
+
+
+def _cumem_engine_child(conn: Connection, path: str) -> None:
+    """An engine: a cuMem allocation exported as a descriptor, passed over a Unix socket."""
+    import array
+    import socket
+
+    import torch
+
+    from daemon.dataplane.cumem import ExportedVram
+
+    torch.cuda.set_device(0)
+    exported = ExportedVram.create(3 * MIB, 0)  # rounded up to the granularity
+    view = exported.tensor()
+    view.copy_(_pattern(torch, exported.size, 11))
+    torch.cuda.synchronize()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(path)
+        fds = array.array("i", [exported.fd])
+        sock.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+    conn.send((exported.size, exported.rdma_capable))
+    conn.recv()  # the daemon side wrote 0x3C over the first MiB
+    torch.cuda.synchronize()
+    rest = _pattern(torch, exported.size, 11)[MIB:]
+    conn.send(bool((view[:MIB] == 0x3C).all()) and bool(torch.equal(view[MIB:], rest)))
+    conn.recv()
+    del view
+    exported.close()
+
+
+def test_cumem_memory_passed_by_descriptor_is_the_engines_own_on_gpu(tmp_path) -> None:
+    """Another process's cuMem export, received with SCM_RIGHTS, imported and mapped here."""
+    import socket
+
+    from daemon.dataplane.vram import open_vram_descriptor
+
+    path = str(tmp_path / "fd.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_cumem_engine_child, args=(child, path), daemon=True)
+    proc.start()
+    try:
+        conn, _ = listener.accept()
+        _, fds, _, _ = socket.recv_fds(conn, 1, 1)
+        conn.close()
+        assert parent.poll(120), "engine process did not export its memory"
+        size, rdma = parent.recv()
+        print(f"cuMem export: {size} bytes, GPUDirect RDMA capable: {rdma}")
+        spec = RegionSpec("kv", size, MemoryKind.VRAM, device=0, descriptor=0)
+        region = open_vram_descriptor(spec, fds, owner_uid=os.getuid())
+        assert torch.equal(region.tensor(), _pattern(torch, size, 11))  # the engine's bytes
+        region.tensor()[:MIB].fill_(0x3C)
+        torch.cuda.synchronize()
+        parent.send("written")
+        assert parent.recv() is True, "the engine did not see the write, or bytes beyond moved"
+        region.close()
+        region.close()  # idempotent
+        too_big = RegionSpec("kv", size * 2, MemoryKind.VRAM, device=0, descriptor=0)
+        with pytest.raises(RegionError, match="cannot import the engine's GPU memory"):
+            open_vram_descriptor(too_big, fds)
+        parent.send("done")
+    finally:
+        for fd in fds if "fds" in locals() else ():
+            os.close(fd)
+        listener.close()
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0

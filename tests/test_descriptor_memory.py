@@ -13,6 +13,7 @@ import asyncio
 import fcntl
 import mmap
 import os
+import re
 import socket
 import struct
 import time
@@ -32,7 +33,7 @@ from daemon.sim.engine import SimEngine, SimGroup
 from daemon.sim.launcher import Daemon, fd_count, mapped_files, start_pair, wait_idle
 from harness.crashrounds import CrashEngine
 from schemas import rpc
-from schemas.kvlayout import GroupSpec, KvPlacement, LayerSpec, MemoryNote, RegionSpec
+from schemas.kvlayout import GroupSpec, KvPlacement, LayerSpec, MemoryKind, MemoryNote, RegionSpec
 from schemas.layout import GroupKind, Role
 from tests.support.fixtures import stop_cleanly
 from tests.support.pushes import push
@@ -363,3 +364,47 @@ async def test_one_memory_named_as_two_regions_is_refused(
                 await client.register_engine(engine_id, GROUPS, (kv,), offload, offload_slots=4)
         assert refused.value.code == rpc.BAD_REGION
         assert engine_id not in solo_daemon.status()["engines"]
+
+
+# --------------------------------------------- GPU memory by descriptor (cuMem)
+
+
+async def test_gpu_memory_passed_by_descriptor_is_refused_with_why_where_there_is_no_cuda(
+    solo_daemon: Daemon, fds: Callable[[int], int]
+) -> None:
+    """This machine has no GPU: the daemon says so, the connection serves on.
+
+    The import itself runs on a GPU only (bench/gpu_vram_test.py, run by
+    bench/gpu_check.sh on the device machine).
+    """
+    fd = fds(create_kv_memfd("kvpushd-not-vram", SIZE))
+    engine_id = f"vram-{_tag()}"
+    vram = RegionSpec("kv", SIZE, MemoryKind.VRAM, device=0, descriptor=0)
+    async with await EngineClient.connect(solo_daemon.socket, descriptors=(fd,)) as client:
+        with pytest.raises(RpcError, match="no CUDA device") as refused:
+            await client.register_engine(engine_id, GROUPS, (vram,))
+        assert refused.value.code == rpc.BAD_REGION
+        both = RegionSpec("kv", SIZE, MemoryKind.VRAM, ipc_handle=b"x", descriptor=0)
+        with pytest.raises(RpcError, match="names a descriptor and also an ipc_handle"):
+            await client.register_engine(engine_id, GROUPS, (both,))
+        await client.register_engine(engine_id, GROUPS, (RegionSpec("kv", SIZE, descriptor=0),))
+        assert solo_daemon.status()["engines"][engine_id]["memory"] == "descriptor"
+
+
+def test_an_engine_without_a_cuda_driver_is_told_so_when_it_exports_gpu_memory() -> None:
+    from daemon.dataplane.cumem import NO_DRIVER, CumemError, ExportedVram
+
+    with pytest.raises(CumemError, match=re.escape(NO_DRIVER)):
+        ExportedVram.create(4096)
+
+
+def test_the_cuda_driver_structs_have_the_drivers_sizes() -> None:
+    """cuMemCreate and cuMemSetAccess read these as C structs (64-bit Linux layouts)."""
+    import ctypes
+
+    from daemon.dataplane import cumem
+
+    assert ctypes.sizeof(cumem._Location) == 8
+    assert ctypes.sizeof(cumem._Prop) == 32
+    assert cumem._Prop.allocFlags.offset == 24 and cumem._Prop.location.offset == 8
+    assert ctypes.sizeof(cumem._Access) == 12

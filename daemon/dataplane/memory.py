@@ -151,20 +151,25 @@ def _open_checked(real: str, spec: RegionSpec, owner_uid: int | None) -> int:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise RegionError(f"region {spec.name!r}: {spec.path!r} is not a regular file")
-        if owner_uid is not None and st.st_uid != owner_uid:
-            raise RegionError(
-                f"region {spec.name!r}: {spec.path!r} is owned by uid {st.st_uid},"
-                f" not by the engine's uid {owner_uid}"
-            )
-        if st.st_size != spec.size:
-            raise RegionError(
-                f"region {spec.name!r}: {spec.path!r} is {st.st_size} bytes,"
-                f" the engine declared {spec.size}"
-            )
+        _check_owner_and_size(st, spec, repr(spec.path), owner_uid)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _check_owner_and_size(
+    st: os.stat_result, spec: RegionSpec, what: str, owner_uid: int | None
+) -> None:
+    if owner_uid is not None and st.st_uid != owner_uid:
+        raise RegionError(
+            f"region {spec.name!r}: {what} is owned by uid {st.st_uid},"
+            f" not by the engine's uid {owner_uid}"
+        )
+    if st.st_size != spec.size:
+        raise RegionError(
+            f"region {spec.name!r}: {what} is {st.st_size} bytes, the engine declared {spec.size}"
+        )
 
 
 def map_dram_region(spec: RegionSpec, *, owner_uid: int | None) -> MappedRegion:
@@ -174,13 +179,17 @@ def map_dram_region(spec: RegionSpec, *, owner_uid: int | None) -> MappedRegion:
     if spec.size <= 0:
         raise RegionError(f"region {spec.name!r} has size {spec.size}; it must be positive")
     real = resolve_shm_path(spec.path)
-    fd = _open_checked(real, spec, owner_uid)
+    return _mapped(spec, _open_checked(real, spec, owner_uid), repr(spec.path), real)
+
+
+def _mapped(spec: RegionSpec, fd: int, what: str, path: str) -> MappedRegion:
+    """``fd``'s memory mapped read-write and shared; the region owns ``fd`` from here."""
     try:
         mapping = mmap.mmap(fd, spec.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as exc:
         os.close(fd)
-        raise RegionError(f"region {spec.name!r}: cannot map {spec.path!r}: {exc}") from None
-    return MappedRegion(spec.name, mapping, real, fd)
+        raise RegionError(f"region {spec.name!r}: cannot map {what}: {exc}") from None
+    return MappedRegion(spec.name, mapping, path, fd)
 
 
 # Seals a region passed by descriptor must carry: a memfd that can shrink
@@ -234,24 +243,10 @@ def map_dram_descriptor(
             f"region {spec.name!r}: memfd {name!r} is not sealed against shrinking"
             " (F_SEAL_SHRINK): memory cut under the daemon's mapping would kill it"
         )
-    st = os.fstat(passed)
-    if owner_uid is not None and st.st_uid != owner_uid:
-        raise RegionError(
-            f"region {spec.name!r}: memfd {name!r} is owned by uid {st.st_uid},"
-            f" not by the engine's uid {owner_uid}"
-        )
-    if st.st_size != spec.size:
-        raise RegionError(
-            f"region {spec.name!r}: memfd {name!r} is {st.st_size} bytes,"
-            f" the engine declared {spec.size}"
-        )
-    fd = os.dup(passed)  # non-inheritable, like every descriptor Python makes
-    try:
-        mapping = mmap.mmap(fd, spec.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    except OSError as exc:
-        os.close(fd)
-        raise RegionError(f"region {spec.name!r}: cannot map memfd {name!r}: {exc}") from None
-    return MappedRegion(spec.name, mapping, name, fd)
+    _check_owner_and_size(os.fstat(passed), spec, f"memfd {name!r}", owner_uid)
+    # A duplicate (non-inheritable, like every descriptor Python makes): the
+    # connection's copy closes with the connection.
+    return _mapped(spec, os.dup(passed), f"memfd {name!r}", name)
 
 
 def map_dram(

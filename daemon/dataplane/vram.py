@@ -48,13 +48,15 @@ import importlib.util
 import os
 import re
 import stat
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Annotated, Final
 
 import msgspec
 
-from daemon.dataplane.memory import SHM_ROOT, MappedRegion, RegionError
+from daemon.dataplane.cumem import CumemError, import_vram
+from daemon.dataplane.memory import SHM_ROOT, MappedRegion, RegionError, descriptor_of
 from schemas.kvlayout import MemoryKind, RegionSpec
 
 if TYPE_CHECKING:
@@ -254,12 +256,21 @@ class VramRegion:
 
     memory: Final = MemoryKind.VRAM
 
-    def __init__(self, name: str, tensor: torch.Tensor, device: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        device: int,
+        release: Callable[[], None] | None = None,
+    ) -> None:
         self.name = name
         self.device = device
         self.size = tensor.numel()  # a flat uint8 view: elements are bytes
         self.base: int = int(tensor.data_ptr())
         self._tensor: torch.Tensor | None = tensor
+        # Memory imported by descriptor (daemon/dataplane/cumem.py) is unmapped
+        # here once the view is gone; CUDA IPC memory is torch's to close.
+        self._release = release
 
     @property
     def closed(self) -> bool:
@@ -281,6 +292,10 @@ class VramRegion:
         if self._tensor is None:
             return
         self._tensor = None
+        if self._release is not None:
+            release, self._release = self._release, None
+            release()
+            return
         _ipc_collect()
 
     def __enter__(self) -> VramRegion:
@@ -308,6 +323,44 @@ def open_vram_region(spec: RegionSpec, *, owner_uid: int | None = None) -> VramR
         _ipc_collect()
         raise RegionError(f"region {spec.name!r}: {problem}")
     return VramRegion(spec.name, tensor, spec.device)
+
+
+def open_vram_descriptor(
+    spec: RegionSpec, descriptors: Sequence[int], *, owner_uid: int | None = None
+) -> VramRegion:
+    """Validate and import a VRAM region an engine passed as a cuMem descriptor; RegionError.
+
+    The daemon maps the allocation itself (daemon/dataplane/cumem.py): UCX
+    sees device memory this process mapped, not memory opened through
+    legacy CUDA IPC. ``owner_uid`` is checked by the socket's credentials
+    alone: an exported allocation's descriptor names no file owner.
+    """
+    where = f"region {spec.name!r}"
+    if spec.ipc_handle or spec.path:
+        raise RegionError(f"{where} names a descriptor and also an ipc_handle or a path")
+    if spec.size <= 0:
+        raise RegionError(f"{where} has size {spec.size}; it must be positive")
+    if spec.device < 0:
+        raise RegionError(f"{where}: device {spec.device} is not a CUDA device index")
+    fd = descriptor_of(spec, descriptors)
+    torch = _cuda_torch(spec)
+    count = torch.cuda.device_count()
+    if spec.device >= count:
+        raise RegionError(
+            f"{where}: CUDA device {spec.device} does not exist here (this daemon sees {count})"
+        )
+    try:
+        with torch.cuda.device(spec.device):
+            mapping = import_vram(fd, spec.device, spec.size)
+            try:
+                tensor = mapping.tensor()
+            except BaseException:
+                with contextlib.suppress(CumemError):
+                    mapping.close()
+                raise
+    except CumemError as exc:
+        raise RegionError(f"{where}: cannot import the engine's GPU memory: {exc}") from None
+    return VramRegion(spec.name, tensor, spec.device, release=mapping.close)
 
 
 def load_cuda_before_nixl() -> bool:

@@ -31,7 +31,7 @@ from daemon.dataplane.memory import (
     map_dram,
 )
 from daemon.dataplane.plane import DataPlane, DataPlaneError
-from daemon.dataplane.vram import open_vram_region
+from daemon.dataplane.vram import open_vram_descriptor, open_vram_region
 from daemon.node.engine_state import EngineSession, EngineState, Region
 from daemon.node.ledger import Ledger
 from daemon.node.lifecycle import Lifecycle
@@ -195,7 +195,10 @@ class Engines:
 
     @staticmethod
     def _map_one(region: Any, uid: int, descriptors: tuple[int, ...]) -> Region:
-        # GPU KV caches come as CUDA IPC handles, opened on their GPU (daemon/dataplane/vram.py).
+        # GPU KV caches come as cuMem descriptors or CUDA IPC handles, opened on
+        # their GPU (daemon/dataplane/vram.py).
+        if region.memory is MemoryKind.VRAM and region.descriptor >= 0:
+            return open_vram_descriptor(region, descriptors, owner_uid=uid)
         if region.memory is MemoryKind.VRAM:
             return open_vram_region(region, owner_uid=uid)
         return map_dram(region, descriptors, owner_uid=uid)
