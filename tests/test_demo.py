@@ -108,6 +108,10 @@ def _check_summary(stdout: str, requests: int, seed: int) -> None:
     assert int(checked[1]) > 0 and int(checked[2].replace(",", "")) > 0
     assert " 0 mismatches" in stdout
     assert f"demo OK: {requests} requests ended as planned" in stdout
+    # The engines' caches went to the daemons as memfds: no file under /dev/shm.
+    shared = re.search(r"shared memory\s+(\d+) regions passed to the daemons as sealed memfds"
+                       r" \(SCM_RIGHTS\), 0 files created", stdout)  # fmt: skip
+    assert shared and int(shared[1]) > 0, stdout
 
 
 @pytest.mark.slow

@@ -120,15 +120,22 @@ def _check_options(opts: Options) -> str | None:
         return "--requests must be at least 1"
     if not 64 <= opts.block_size <= 16 * 2**20:
         return "--block-size must be between 64 bytes and 16 MiB"
+    # The engines' caches are memfds (no /dev/shm file): memory, not /dev/shm's size.
     need = shm_bytes(opts.block_size)
-    with contextlib.suppress(OSError):
-        stat = os.statvfs("/dev/shm")
-        free = stat.f_bavail * stat.f_frsize
-        if need > free * 0.8:
-            return (
-                f"--block-size {opts.block_size} needs {need / 2**20:.0f} MiB of /dev/shm,"
-                f" only {free / 2**20:.0f} MiB is free"
-            )
+    free = _available_memory()
+    if free is not None and need > free * 0.8:
+        return (
+            f"--block-size {opts.block_size} needs {need / 2**20:.0f} MiB of memory for the"
+            f" engines' caches, only {free / 2**20:.0f} MiB is available"
+        )
+    return None
+
+
+def _available_memory() -> int | None:
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     return None
 
 
@@ -191,6 +198,7 @@ async def _push_phase(
     prefill, decode = daemons
     engines = await create_engines(prefill, decode, opts.block_size, f"{SHM_PREFIX}{os.getpid()}")
     shm_files = sum(len(e.shm_paths) for e in engines.all())
+    descriptors = sum(len(e.descriptors) for e in engines.all())
     try:
         progress = Progress(plan.size, out, out.isatty())
         start = time.perf_counter()
@@ -203,7 +211,9 @@ async def _push_phase(
         raise Interrupted(f"stopped by a signal after {len(outcomes)} of {plan.size} requests")
     counters = (await asyncio.to_thread(decode.status))["counters"]
     integrity = {k: v for k, v in counters.items() if k.startswith("integrity_")}
-    return PushResult(outcomes, elapsed, bad, shm_files, leftover, integrity)
+    return PushResult(
+        outcomes, elapsed, bad, shm_files, leftover, descriptors=descriptors, integrity=integrity
+    )
 
 
 def _stop_on_signals(stop: asyncio.Event, out: TextIO) -> None:

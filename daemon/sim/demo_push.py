@@ -41,6 +41,7 @@ from daemon.sim.engine import (
     SimLayout,
     tail_pairs,
 )
+from daemon.sim.engine_shm import DESCRIPTOR
 from schemas import rpc
 from schemas.layout import Role
 
@@ -82,8 +83,9 @@ class PushResult:
     outcomes: list[Outcome]
     seconds: float  # the push phase: first registration to last release
     bad_reports: dict[str, str]  # request id -> its failed verification
-    shm_files: int  # shared-memory files the engines created
+    shm_files: int  # shared-memory files the engines created (none: they pass memfds)
     leftover_shm: list[str]  # ... and those still there after closing them
+    descriptors: int = 0  # regions the engines passed to their daemons as memfds
     # The decode daemon's integrity counters (verify = "all"): requests
     # checked, block checksums found equal, mismatches.
     integrity: dict[str, int] = field(default_factory=dict)
@@ -286,12 +288,22 @@ async def create_engines(
         for i in range(ENGINES_PER_SIDE):
             engines.prefill.append(
                 await SimEngine.create(
-                    f"prefill-{i}", Role.PUSHER, p_layout, prefill.socket, shm_prefix=f"{tag}-p{i}"
+                    f"prefill-{i}",
+                    Role.PUSHER,
+                    p_layout,
+                    prefill.socket,
+                    shm_prefix=f"{tag}-p{i}",
+                    memory=DESCRIPTOR,
                 )
             )
             engines.decode.append(
                 await SimEngine.create(
-                    f"decode-{i}", Role.RECEIVER, d_layout, decode.socket, shm_prefix=f"{tag}-d{i}"
+                    f"decode-{i}",
+                    Role.RECEIVER,
+                    d_layout,
+                    decode.socket,
+                    shm_prefix=f"{tag}-d{i}",
+                    memory=DESCRIPTOR,
                 )
             )
     except BaseException:

@@ -239,7 +239,11 @@ def print_summary(result: RunResult, workdir: Path, keep: bool, out: TextIO) -> 
     codes = ", ".join(f"{node} exited {code}" for node, code in result.exit_codes.items())
     w(f"  daemons          stopped with SIGTERM: {codes}\n")
     created, left = result.push.shm_files, len(result.push.leftover_shm)
-    w(f"  shared memory    {created} files created, {created - left} unlinked\n\n")
+    passed = result.push.descriptors
+    w(
+        f"  shared memory    {passed} regions passed to the daemons as sealed memfds"
+        f" (SCM_RIGHTS), {created} files created, {created - left} unlinked\n\n"
+    )
     _print_journals(result, workdir, keep, w)
 
 
