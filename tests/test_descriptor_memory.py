@@ -16,6 +16,7 @@ import os
 import re
 import socket
 import struct
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -35,6 +36,7 @@ from harness.crashrounds import CrashEngine
 from schemas import rpc
 from schemas.kvlayout import GroupSpec, KvPlacement, LayerSpec, MemoryKind, MemoryNote, RegionSpec
 from schemas.layout import GroupKind, Role
+from tests.support import REPO
 from tests.support.fixtures import stop_cleanly
 from tests.support.pushes import push
 
@@ -408,3 +410,27 @@ def test_the_cuda_driver_structs_have_the_drivers_sizes() -> None:
     assert ctypes.sizeof(cumem._Prop) == 32
     assert cumem._Prop.allocFlags.offset == 24 and cumem._Prop.location.offset == 8
     assert ctypes.sizeof(cumem._Access) == 12
+
+
+async def test_kvpushd_status_shows_how_each_engine_shared_its_memory_and_why(
+    solo_daemon: Daemon, fds: Callable[[int], int]
+) -> None:
+    fd = fds(create_kv_memfd("kvpushd-status", SIZE))
+    engine_id = f"shown-{_tag()}"
+    note = MemoryNote(KvPlacement.STAGING, "a host mirror of a cache on cuda:0")
+    async with await EngineClient.connect(solo_daemon.socket, descriptors=(fd,)) as client:
+        await client.register_engine(
+            engine_id, GROUPS, (RegionSpec("kv", SIZE, descriptor=0),), memory_note=note
+        )
+        done = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "daemon.cli", "status", "--socket", solo_daemon.socket,
+            stdout=asyncio.subprocess.PIPE, cwd=REPO,
+        )  # fmt: skip
+        out = (await done.communicate())[0].decode()
+    assert done.returncode == 0, out
+    lines = out.splitlines()
+    header = next(line for line in lines if line.startswith("engine "))
+    assert header.split()[-2:] == ["memory", "kv"], header
+    row = next(line for line in lines if line.startswith(engine_id))
+    assert row.split()[-2:] == ["descriptor", "staging"], row
+    assert f"  {engine_id} memory: {note.why}" in lines, out
