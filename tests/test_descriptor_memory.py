@@ -162,6 +162,20 @@ def _unsealed() -> int:
     return fd
 
 
+def _write_sealed() -> int:
+    fd = _unsealed()
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE)
+    return fd
+
+
+def _read_only() -> int:
+    fd = create_kv_memfd("kvpushd-read-only", SIZE)
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)  # the same memfd, read-only
+    finally:
+        os.close(fd)
+
+
 def _pipe() -> int:
     read, write = os.pipe()
     os.close(write)
@@ -179,12 +193,14 @@ def _disk_file(tmp_path: Path) -> int:
     [
         (_unsealed, RegionSpec("kv", SIZE, descriptor=0), "not sealed against shrinking"),
         (_pipe, RegionSpec("kv", SIZE, descriptor=0), "is not a memfd"),
+        (_write_sealed, RegionSpec("kv", SIZE, descriptor=0), "cannot map memfd"),
+        (_read_only, RegionSpec("kv", SIZE, descriptor=0), "cannot map memfd"),
         ("disk", RegionSpec("kv", SIZE, descriptor=0), "is not a memfd"),
         (None, RegionSpec("kv", SIZE // 2, descriptor=0), f"is {SIZE} bytes, the engine declared"),
         (None, RegionSpec("kv", SIZE, descriptor=2), "names descriptor 2; the connection.s"),
         (None, RegionSpec("kv", SIZE, descriptor=0, path="/dev/shm/x"), "both a descriptor"),
     ],
-    ids=["unsealed", "pipe", "disk-file", "size", "index", "path-too"],
+    ids=["unsealed", "pipe", "write-sealed", "read-only", "disk-file", "size", "index", "path-too"],
 )
 async def test_memory_the_daemon_could_not_trust_is_refused_and_the_connection_serves_on(
     solo_daemon: Daemon,
