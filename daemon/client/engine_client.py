@@ -42,7 +42,7 @@ from daemon.client.errors import (
     RequestTooLarge,
     RpcError,
 )
-from daemon.framing import EmptyFrame, FrameReader, FrameTooLarge, FrameWriter, frame_bytes
+from daemon.framing import EmptyFrame, FrameEncoder, FrameReader, FrameTooLarge, FrameWriter
 from schemas import rpc
 from schemas.fingerprint import Fingerprint
 from schemas.kvlayout import GroupSpec, MemoryNote, RegionSpec
@@ -170,7 +170,7 @@ class EngineClient:
         )
         client._reader_task = asyncio.create_task(client._read_loop(), name="kvpushd-client-reader")
         try:
-            await client._hello(client_name, hello if fds else None)
+            await client._hello(hello, sent=bool(fds))
         except ConnectionLost as exc:
             await client.close()
             # The daemon said why it hung up before answering (a refused
@@ -183,28 +183,23 @@ class EngineClient:
             raise
         return client
 
-    async def _hello(self, client_name: str, sent: rpc.Hello | None = None) -> None:
-        """Say Hello (``sent``: said already, with the descriptors, before the stream began)."""
-        if sent is not None:
-            next(self._ids)  # its id is taken
-            try:
-                reply = await self._call(sent, rpc.HelloOk, sent=True)
-            except RpcError as exc:
-                if exc.code == rpc.BAD_REQUEST and "descriptors" in exc.message:
-                    raise ProtocolError(
-                        f"the daemon does not take the KV memory this engine passes by "
-                        f"descriptor: {exc.message}"
-                    ) from exc
+    async def _hello(self, hello: rpc.Hello, *, sent: bool) -> None:
+        """Say ``hello`` (id 1; ``sent``: said already, with the descriptors, by ``_open``)."""
+        next(self._ids)  # the Hello's id is taken
+        try:
+            reply = await self._call(hello, rpc.HelloOk, sent=sent)
+        except RpcError as exc:
+            if exc.code != rpc.BAD_REQUEST:
                 raise
-        else:
-            hello = rpc.Hello(self._next_id(), client_name, rpc.PROTOCOL_VERSION)
-            try:
-                reply = await self._call(hello, rpc.HelloOk)
-            except RpcError as exc:
-                if exc.code != rpc.BAD_REQUEST or "protocol" not in exc.message:
-                    raise
-                # A daemon from before protocol 2: speak 1 (no batches) with it.
-                reply = await self._call(rpc.Hello(self._next_id(), client_name, 1), rpc.HelloOk)
+            if hello.descriptors and "descriptors" in exc.message:
+                raise ProtocolError(
+                    f"the daemon does not take the KV memory this engine passes by "
+                    f"descriptor: {exc.message}"
+                ) from exc
+            if hello.descriptors or "protocol" not in exc.message:
+                raise
+            # A daemon from before protocol 2: speak 1 (no batches) with it.
+            reply = await self._call(rpc.Hello(self._next_id(), hello.client, 1), rpc.HelloOk)
         if reply.protocol not in rpc.SUPPORTED_PROTOCOLS:
             speaks = ", ".join(str(p) for p in sorted(rpc.SUPPORTED_PROTOCOLS))
             raise ProtocolError(
@@ -568,7 +563,7 @@ async def _open(
     try:
         sock.setblocking(False)
         await loop.sock_connect(sock, socket_path)
-        frame = frame_bytes(msgspec.msgpack.encode(hello))
+        frame = FrameEncoder().encode(hello)
         # A stream reads no ancillary data: the daemon reads the first bytes
         # with recvmsg (daemon/node/descriptors.py), so they go in one sendmsg,
         # which a new connection's empty buffer takes whole.

@@ -12,8 +12,8 @@ Engine side: :meth:`ExportedVram.create` makes the allocation
 (``cuMemCreate`` with ``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``, and
 GPUDirect RDMA capable where the device offers it), maps it for the engine
 and exports its descriptor, which goes to the daemon with the Hello
-(``EngineClient.connect(descriptors=...)``); :meth:`ExportedVram.region`
-names it (``RegionSpec(memory=VRAM, descriptor=i)``). Daemon side:
+(``EngineClient.connect(descriptors=...)``); a registration names it
+``RegionSpec(memory=VRAM, descriptor=i)``. Daemon side:
 :func:`import_vram` (``cuMemImportFromShareableHandle``, ``cuMemMap``,
 ``cuMemSetAccess``) returns the mapping, which :mod:`daemon.dataplane.vram`
 wraps as a region like any other.
@@ -32,8 +32,6 @@ import os
 import threading
 from collections.abc import Callable
 from typing import Any, Final
-
-from schemas.kvlayout import MemoryKind, RegionSpec
 
 CU_MEM_ALLOCATION_TYPE_PINNED: Final = 1
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: Final = 1
@@ -290,10 +288,6 @@ class ExportedVram(Mapping):
                 made.close()  # what the failure left half made; the failure is the news
             raise
         return made
-
-    def region(self, name: str, index: int) -> RegionSpec:
-        """How a registration names it: ``index`` among the descriptors its Hello carried."""
-        return RegionSpec(name, self.size, MemoryKind.VRAM, device=self.device, descriptor=index)
 
 
 def import_vram(fd: int, device: int, size: int) -> Mapping:

@@ -78,10 +78,9 @@ class MappedRegion:
     def __init__(self, name: str, mapping: mmap.mmap, path: str, fd: int) -> None:
         self.name = name
         self.path = path  # the file, or "memfd:NAME" for memory passed by descriptor
-        st = os.fstat(fd)
         # Which memory this is, whatever name or descriptor number it came by:
         # an engine that registers again must bring this same memory.
-        self.identity: tuple[int, int] = (st.st_dev, st.st_ino)
+        self.identity = _identity(os.fstat(fd))
         self.size = len(mapping)
         self.memory = MemoryKind.DRAM
         self.device = 0
@@ -172,12 +171,16 @@ def _check_owner_and_size(
         )
 
 
-def map_dram_region(spec: RegionSpec, *, owner_uid: int | None) -> MappedRegion:
-    """Validate and map an engine's shared-memory region read-write, shared."""
+def _check_dram(spec: RegionSpec) -> None:
     if spec.memory is not MemoryKind.DRAM:
         raise RegionError(f"region {spec.name!r} is {spec.memory.value}, not DRAM")
     if spec.size <= 0:
         raise RegionError(f"region {spec.name!r} has size {spec.size}; it must be positive")
+
+
+def map_dram_region(spec: RegionSpec, *, owner_uid: int | None) -> MappedRegion:
+    """Validate and map an engine's shared-memory region read-write, shared."""
+    _check_dram(spec)
     real = resolve_shm_path(spec.path)
     return _mapped(spec, _open_checked(real, spec, owner_uid), repr(spec.path), real)
 
@@ -197,9 +200,8 @@ def _mapped(spec: RegionSpec, fd: int, what: str, path: str) -> MappedRegion:
 _REQUIRED_SEALS: Final = fcntl.F_SEAL_SHRINK
 
 
-def memory_identity(fd: int) -> tuple[int, int]:
-    """(device, inode) of the memory behind ``fd``: equal for the same memfd or file."""
-    st = os.fstat(fd)
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    """(device, inode): equal for the same memfd or file, whatever it was reached by."""
     return st.st_dev, st.st_ino
 
 
@@ -223,12 +225,9 @@ def map_dram_descriptor(
     copies close with the connection, the memory stays mapped until the
     engine is forgotten.
     """
-    if spec.memory is not MemoryKind.DRAM:
-        raise RegionError(f"region {spec.name!r} is {spec.memory.value}, not DRAM")
+    _check_dram(spec)
     if spec.path:
         raise RegionError(f"region {spec.name!r} names both a descriptor and a path")
-    if spec.size <= 0:
-        raise RegionError(f"region {spec.name!r} has size {spec.size}; it must be positive")
     passed = descriptor_of(spec, descriptors)
     name = _memfd_name(passed)
     try:
@@ -262,11 +261,10 @@ def brought_identity(spec: RegionSpec, descriptors: Sequence[int]) -> tuple[int,
     """The identity of the memory a registration names now (None: not there to name)."""
     try:
         if spec.descriptor >= 0:
-            return memory_identity(descriptor_of(spec, descriptors))
-        st = os.stat(resolve_shm_path(spec.path))
+            return _identity(os.fstat(descriptor_of(spec, descriptors)))
+        return _identity(os.stat(resolve_shm_path(spec.path)))
     except (OSError, RegionError):
         return None
-    return st.st_dev, st.st_ino
 
 
 def _memfd_name(fd: int) -> str:

@@ -349,17 +349,17 @@ def open_vram_descriptor(
         raise RegionError(
             f"{where}: CUDA device {spec.device} does not exist here (this daemon sees {count})"
         )
-    try:
-        with torch.cuda.device(spec.device):
+    with torch.cuda.device(spec.device):
+        try:
             mapping = import_vram(fd, spec.device, spec.size)
-            try:
-                tensor = mapping.tensor()
-            except BaseException:
-                with contextlib.suppress(CumemError):
-                    mapping.close()
-                raise
-    except CumemError as exc:
-        raise RegionError(f"{where}: cannot import the engine's GPU memory: {exc}") from None
+        except CumemError as exc:
+            raise RegionError(f"{where}: cannot import the engine's GPU memory: {exc}") from None
+        try:
+            tensor = mapping.tensor()
+        except BaseException:
+            with contextlib.suppress(CumemError):
+                mapping.close()
+            raise
     return VramRegion(spec.name, tensor, spec.device, release=mapping.close)
 
 

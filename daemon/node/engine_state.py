@@ -6,7 +6,7 @@ windows, the integrity checks, the transfers and the peers read it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from daemon.dataplane.memory import MappedRegion, OffloadPool
@@ -42,4 +42,4 @@ class EngineState:
     offload_spec: RegionSpec | None = None
     live: int = 0
     # The engine's word on its memory: its KV cache itself or a mirror, and why.
-    note: MemoryNote | None = None
+    note: MemoryNote = field(default_factory=MemoryNote)

@@ -39,7 +39,7 @@ from daemon.node.tasks import Spawn
 from daemon.node.windows import Windows
 from schemas import rpc
 from schemas.events import Event, Registered
-from schemas.kvlayout import EngineSpec, MemoryKind
+from schemas.kvlayout import EngineSpec, MemoryKind, MemoryNote, RegionSpec
 from schemas.reasons import Reason
 from schemas.state import RequestRecord
 from statemachine import Refusal
@@ -128,7 +128,7 @@ class Engines:
                 )
             _check_same_memory(existing, req, session.descriptors)
             existing.session = session
-            existing.note = req.memory_note
+            existing.note = req.memory_note or MemoryNote()
             self._resend_outcomes(req.engine_id)
             return rpc.Ok(req.id)
         # The pool's size is part of the layout: while live requests hold
@@ -157,7 +157,7 @@ class Engines:
             raise RegionError(str(exc)) from exc
         engine = EngineState(spec, regions, remote, session)
         engine.offload_region, engine.offload_spec = offload_region, req.offload
-        engine.note = req.memory_note
+        engine.note = req.memory_note or MemoryNote()
         try:
             await self._windows.open_for_all_peers(engine)
             if offload_region is not None:
@@ -382,11 +382,13 @@ def _check_same_memory(
     old name) would leave the daemon writing into memory the engine no
     longer reads: the bytes land, and the engine computes on its own.
     """
-    mapped = dict(engine.regions)
-    if engine.offload_region is not None and req.offload is not None:
-        mapped[req.offload.name] = engine.offload_region
-    for spec in (*req.regions, *((req.offload,) if req.offload is not None else ())):
-        region = mapped.get(spec.name)
+    # Each region the registration names, beside what the daemon mapped for it.
+    pairs: list[tuple[RegionSpec, Region | None]] = [
+        (spec, engine.regions.get(spec.name)) for spec in req.regions
+    ]
+    if req.offload is not None:
+        pairs.append((req.offload, engine.offload_region))
+    for spec, region in pairs:
         if not isinstance(region, MappedRegion):
             continue  # VRAM: the same CUDA IPC handle is the same allocation
         if brought_identity(spec, descriptors) != region.identity:

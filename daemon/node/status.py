@@ -11,7 +11,6 @@ import msgspec
 from daemon.dataplane.plane import DataPlane
 from daemon.journal.writer import Journal
 from daemon.node.peerlink import LinkInfo
-from schemas.kvlayout import MemoryNote
 from schemas.state import RequestRecord
 from schemas.status import (
     DataPlaneCounters,
@@ -74,8 +73,8 @@ def status_document(
                 offload_free=None if e.offload is None else e.offload.free_count,
                 fingerprint=e.spec.fingerprint,
                 memory=",".join(sorted({r.shared_as.value for r in e.spec.regions})),
-                kv=(e.note or MemoryNote()).placement.value,
-                memory_why=(e.note or MemoryNote()).why,
+                kv=e.note.placement.value,
+                memory_why=e.note.why,
             )
             for engine_id, e in engines.items()
         },

@@ -30,7 +30,7 @@ import numpy as np
 
 from daemon.client.memfd import create_kv_memfd
 from daemon.sim.engine_layout import SimError, SimGroup, SimLayout
-from schemas.kvlayout import GroupSpec, LayerSpec, MemoryKind, RegionSpec
+from schemas.kvlayout import GroupSpec, LayerSpec, MemoryKind, RegionSpec, SharedAs
 
 SHM_DIR: Final = "/dev/shm"
 GUARD_BYTES: Final = 4096
@@ -86,11 +86,7 @@ class ShmRegion:
     def close(self) -> None:
         """Unlink, then unmap if no numpy view is still exported."""
         self.unlink()
-        self.array = np.empty(0, dtype=np.uint8)
-        if self._map is not None:
-            with contextlib.suppress(BufferError):  # a caller still holds a view
-                self._map.close()
-            self._map = None
+        _unmap(self)
 
 
 class MemfdRegion:
@@ -110,19 +106,26 @@ class MemfdRegion:
         return RegionSpec(self.name, self.size, MemoryKind.DRAM, descriptor=self.index)
 
     def close(self) -> None:
-        self.array = np.empty(0, dtype=np.uint8)
-        if self._map is not None:
-            with contextlib.suppress(BufferError):  # a caller still holds a view
-                self._map.close()
-            self._map = None
+        """Unmap if no numpy view is still exported, and close the memfd."""
+        _unmap(self)
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
 
 
 Region = ShmRegion | MemfdRegion
-FILE: Final = "file"
-DESCRIPTOR: Final = "descriptor"
+
+
+def _unmap(region: Region) -> None:
+    region.array = np.empty(0, dtype=np.uint8)
+    if region._map is not None:
+        with contextlib.suppress(BufferError):  # a caller still holds a view
+            region._map.close()
+        region._map = None
+
+
+FILE: Final = SharedAs.FILE
+DESCRIPTOR: Final = SharedAs.DESCRIPTOR
 
 
 def default_shm_prefix(engine_id: str, pid: int | None = None) -> str:

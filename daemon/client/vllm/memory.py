@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 from daemon.client.vllm.sharedmemory import DESCRIPTOR, SharedMemory
 from daemon.client.vllm.staging import SHARED
 from schemas.fingerprint import Fingerprint
-from schemas.kvlayout import GroupSpec, KvPlacement, LayerSpec, MemoryNote, RegionSpec
+from schemas.kvlayout import GroupSpec, KvPlacement, LayerSpec, MemoryNote
 from schemas.layout import GroupKind
 
 
@@ -136,9 +136,8 @@ def layout(
     kv_caches: dict[str, torch.Tensor],
     group_layers: tuple[tuple[str, ...], ...],
     buffer: torch.Tensor,
-    region: RegionSpec,
     states: tuple[bool, ...] = (False,),
-) -> tuple[tuple[GroupSpec, ...], RegionSpec]:
+) -> tuple[GroupSpec, ...]:
     """One group per KV cache group, its layers vLLM's views of the shared buffer.
 
     kvpushd's model: block ``b`` of layer ``l`` is ``block_bytes`` at
@@ -149,14 +148,13 @@ def layout(
     group (``states``: Mamba/SSM) is an SSM group of whole pages.
     """
     size = buffer.untyped_storage().nbytes()
-    assert size == region.size, (size, region.size)
     order = list(kv_caches)
     groups = []
     for g, names in enumerate(group_layers):
         # In the order the worker sorted the layers (model order).
         members = {name: kv_caches[name] for name in sorted(names, key=order.index)}
         groups.append(_group(members, buffer.data_ptr(), size, g < len(states) and states[g]))
-    return tuple(groups), region
+    return tuple(groups)
 
 
 def _group(

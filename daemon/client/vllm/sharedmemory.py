@@ -20,12 +20,12 @@ import torch
 
 from daemon.client.kvfile import create_kv_file
 from daemon.client.memfd import create_kv_memfd
-from schemas.kvlayout import RegionSpec
+from schemas.kvlayout import RegionSpec, SharedAs
 
 SHM_DIR: Final = "/dev/shm"
 SHM_PREFIX: Final = "kvpushd-vllm-"
-DESCRIPTOR: Final = "descriptor"
-FILE: Final = "file"
+DESCRIPTOR: Final = SharedAs.DESCRIPTOR
+FILE: Final = SharedAs.FILE
 KV_MEMORIES: Final = (DESCRIPTOR, FILE)
 
 

@@ -166,8 +166,8 @@ class WorkerSide:
                 raise RuntimeError(str(exc)) from exc
             # The daemon sees the mirror: same shapes, same offsets, its own file.
             kv_caches, buffer = self._staging.mirror, self._staging.buffer
-        region = self._memory.region()
-        groups, region = layout(kv_caches, group_layers, buffer, region, self._states)
+        groups = layout(kv_caches, group_layers, buffer, self._states)
+        region = self._memory.region()  # the buffer's memory, named for the daemon
         own = self._plan.own
         held = own.kv_head_range[1] - own.kv_head_range[0]
         head_major = all(t.dim() == 4 and t.shape[1] == held for t in kv_caches.values())
