@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -535,18 +534,36 @@ class Journal:
         if self._closed:
             raise JournalClosed(f"journal {self._directory} is closed")
 
-    @contextmanager
-    def _fatal_on_oserror(self, what: str) -> Iterator[None]:
-        try:
-            yield
-        except OSError as exc:
-            self._fail(what, exc)
+    def _fatal_on_oserror(self, what: str) -> _FatalOnOSError:
+        return _FatalOnOSError(self, what)
 
     def _fail(self, what: str, exc: OSError) -> NoReturn:
         self._failure = JournalFatal(f"{what}: {exc}")
         self._buf = self._new_buffer()
         self._sizes, self._groups = [], []
         raise self._failure from exc
+
+
+class _FatalOnOSError:
+    """``with``: an OSError raised inside fails the journal (JournalFatal), naming ``what``.
+
+    A class, not a generator: it guards every group commit's write, and a
+    generator-based context manager costs a generator and its resumptions.
+    """
+
+    __slots__ = ("_journal", "_what")
+
+    def __init__(self, journal: Journal, what: str) -> None:
+        self._journal, self._what = journal, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        if isinstance(exc, OSError):
+            self._journal._fail(self._what, exc)
 
 
 def _create_durably(path: Path, header: bytes, syscalls: _Syscalls) -> int:
