@@ -501,6 +501,34 @@ async def test_cancelling_a_write_aborts_it_before_the_cancel_completes(
         pass  # the cancelled write's notification is dropped; tolerate it arriving
 
 
+async def test_a_posted_write_nobody_finishes_is_stopped_once_and_the_pair_works_on(
+    pair_factory: Callable[..., Awaitable[Pair]],
+) -> None:
+    # Posted without a task (Transfers posts an unchecked request's WRITE in
+    # kv_ready's own call): whoever gives up on it stops it, and a stop that
+    # comes twice, or after its result, changes nothing.
+    p = await pair_factory(receiver_idle_progress_s=None)
+    ids = (p.src.spec.engine_id, p.receiver.agent_name, p.dst.spec.engine_id)
+    posted = p.pusher.post(*ids, PARTIAL_SRC, PARTIAL_DST, b"doomed")
+    await asyncio.sleep(0.3)
+    assert posted.fut is not None and not posted.fut.done()
+    await p.pusher.stop(posted)
+    assert p.pusher.writes_cancelled == 1
+    assert p.pusher._worker is not None and not p.pusher._worker.st.inflight
+    await p.pusher.stop(posted)
+    assert p.pusher.writes_cancelled == 1
+    p.receiver.expect_notifications(True)
+    after = p.pusher.post(*ids, PARTIAL_SRC, PARTIAL_DST, b"after")
+    result = await p.pusher.finish(after)
+    assert result.nbytes > 0 and p.pusher.writes == 1
+    await p.pusher.stop(after)
+    assert p.pusher.writes_cancelled == 1
+    nothing = p.pusher.post(*ids, ((), ()), ((), ()), b"nothing")
+    assert nothing.fut is None and (await p.pusher.finish(nothing)).nbytes == 0
+    while (await asyncio.wait_for(p.notifs.get(), NOTIF_TIMEOUT_S))[1] != b"after":
+        pass  # the stopped write's notification is dropped; tolerate it arriving
+
+
 async def test_removing_the_remote_agent_fences_writes_in_flight(
     pair_factory: Callable[..., Awaitable[Pair]],
 ) -> None:

@@ -18,6 +18,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TypeVar
 
 from daemon.dataplane.errors import DataPlaneError, TransferError
@@ -37,6 +38,7 @@ __all__ = [
     "DataPlane",
     "DataPlaneError",
     "NotificationHandler",
+    "Posted",
     "TransferError",
     "WriteResult",
 ]
@@ -46,6 +48,16 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 NotificationHandler = Callable[[str, bytes], None]
+
+
+@dataclass(slots=True)
+class Posted:
+    """One WRITE handed to the worker; ``fut`` None: nothing to write (zero bytes)."""
+
+    xid: int
+    worker: Worker
+    fut: asyncio.Future[WriteResult] | None
+    stopped: bool = False
 
 
 async def _settle(fut: asyncio.Future[T]) -> T:
@@ -316,25 +328,53 @@ class DataPlane:
     ) -> WriteResult:
         """Write ``src[g][i]`` of every layer into ``dst[g][i]`` with one NIXL WRITE.
 
-        Validation errors raise DataPlaneError before anything is posted. A
-        write of zero blocks in total never touches NIXL (and sends no
-        notification). If the caller is cancelled, the transfer is aborted
-        (its handle released) before the cancellation propagates.
+        :meth:`post` then :meth:`finish`: validation errors raise
+        DataPlaneError before anything is posted; a write of zero blocks in
+        total never touches NIXL (and sends no notification); if the caller
+        is cancelled, the transfer is aborted (its handle released) before
+        the cancellation propagates.
+        """
+        return await self.finish(
+            self.post(local_engine, remote_agent, remote_engine, src, dst, notif)
+        )
+
+    def post(
+        self,
+        local_engine: str,
+        remote_agent: str,
+        remote_engine: str,
+        src: Blocks,
+        dst: Blocks,
+        notif: bytes,
+    ) -> Posted:
+        """Hand one NIXL WRITE to the worker now, without waiting (and without a task).
+
+        Validation errors raise DataPlaneError before anything is posted.
+        Whoever posts must :meth:`finish` it, or :meth:`stop` it if they
+        give up on it.
         """
         worker = self._live_worker()
         local, remote = self._geometries(local_engine, remote_agent, remote_engine)
         lidx, ridx, nbytes = build_indices(local, remote, src, dst)
         if nbytes == 0:
-            return WriteResult(0, 0, 0.0)
+            return Posted(0, worker, None)
         xid = next(self._xids)
         fut: asyncio.Future[WriteResult] = worker.loop.create_future()
         worker.submit(
             Post(xid, local_engine, remote_agent, remote_engine, lidx, ridx, notif, nbytes, fut)
         )
+        return Posted(xid, worker, fut)
+
+    async def finish(self, posted: Posted) -> WriteResult:
+        """Wait for a posted write; cancelled meanwhile, the transfer is aborted first."""
+        fut = posted.fut
+        if fut is None:
+            return WriteResult(0, 0, 0.0)
         try:
             result = await asyncio.shield(fut)
         except asyncio.CancelledError:
-            await self._cancel_write(worker, xid, fut)
+            posted.stopped = True
+            await self._cancel_write(posted.worker, posted.xid, fut)
             raise
         except TransferError:
             self.write_errors += 1
@@ -342,6 +382,19 @@ class DataPlane:
         self.writes += 1
         self.bytes_written += result.nbytes
         return result
+
+    async def stop(self, posted: Posted) -> None:
+        """Abort a posted write nobody will finish, and wait until the worker let it go.
+
+        Stopping one already stopped, or one whose result is in, does nothing.
+        """
+        fut = posted.fut
+        if fut is None or posted.stopped or fut.done():
+            if fut is not None and fut.done() and not fut.cancelled():
+                fut.exception()  # retrieved: whoever gave up on it has its own failure
+            return
+        posted.stopped = True
+        await self._cancel_write(posted.worker, posted.xid, fut)
 
     async def _cancel_write(
         self, worker: Worker, xid: int, fut: asyncio.Future[WriteResult]
