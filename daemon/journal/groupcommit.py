@@ -15,6 +15,7 @@ commits by itself but under policy ``always`` or when a segment fills.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -69,14 +70,24 @@ class GroupCommit:
 
     async def durable(self, seq: int) -> None:
         """Return once ``seq`` is durable; raises JournalFatal if it never will be."""
+        future = self.when_durable(seq)
+        if future is not None:
+            await future
+
+    def when_durable(self, seq: int) -> asyncio.Future[None] | None:
+        """A future done once ``seq`` is durable (its exception: it never will be).
+
+        None when ``seq`` is durable already; raises JournalFatal if the
+        journal failed. For a caller that goes on from a callback, not a task.
+        """
         if self._fatal is not None:
             raise self._fatal
         if self._journal.durable_seq >= seq:
-            return
+            return None
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append((seq, future))
         self.request()
-        await future
+        return future
 
     def commit_now(self) -> int:
         """Commit synchronously, on this thread (shutdown, snapshots)."""
@@ -110,7 +121,7 @@ class GroupCommit:
         future = asyncio.get_running_loop().run_in_executor(
             self._executor, self._journal.sync_fd, fd
         )
-        future.add_done_callback(lambda f: self._synced(f, written, started))
+        future.add_done_callback(functools.partial(self._synced, written=written, started=started))
 
     def _synced(self, future: asyncio.Future[None], written: int, started: float) -> None:
         self._syncing = False

@@ -17,6 +17,8 @@ and then await.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
@@ -92,6 +94,14 @@ class Commit:
     def __await__(self) -> Generator[Any, None, None]:
         return self._ledger._finish(self).__await__()
 
+    def tell_when_durable(self) -> None:
+        """Tell once durable, with nobody awaiting: the group commit's wake-up tells.
+
+        For a caller with nothing to do after the commit (no task to keep). A
+        journal that fails first tells nobody (the node stops and replays).
+        """
+        self._ledger._tell_when_durable(self)
+
 
 class Ledger:
     def __init__(
@@ -152,6 +162,20 @@ class Ledger:
         events = react(record, stimulus, why)
         if events:
             await self.commit(events, stimulus.cause, failpoint=failpoint)
+        return events
+
+    def react_and_tell(
+        self,
+        record: RequestRecord,
+        stimulus: Stimulus,
+        why: Why | None = None,
+        *,
+        failpoint: str | None = None,
+    ) -> list[RequestEvent]:
+        """:meth:`react` for a caller that does not wait: committed now, told once durable."""
+        events = react(record, stimulus, why)
+        if events:
+            self.commit(events, stimulus.cause, failpoint=failpoint).tell_when_durable()
         return events
 
     # ------------------------------------------------------------ appending
@@ -292,6 +316,30 @@ class Ledger:
         if commit.seq:
             assert self.group is not None, "a ledger without a group commit never waits"
             await self.group.durable(commit.seq)
+        self._tell(commit)
+
+    def _tell_when_durable(self, commit: Commit) -> None:
+        waiting = None
+        if commit.seq:
+            assert self.group is not None, "a ledger without a group commit never waits"
+            waiting = self.group.when_durable(commit.seq)
+        if waiting is None:
+            self._tell(commit)
+        else:
+            waiting.add_done_callback(functools.partial(self._tell_if_durable, commit=commit))
+
+    def _tell_if_durable(self, done: asyncio.Future[None], commit: Commit) -> None:
+        if done.cancelled() or done.exception() is not None:
+            return  # the journal failed: the group commit reported it, nobody is told
+        try:
+            self._tell(commit)
+        except Exception:
+            # Awaited, this would end the awaiting task; here it ends this
+            # delivery, logged as a task's failure is.
+            self._log.exception("telling a durable commit failed", seq=commit.seq)
+
+    def _tell(self, commit: Commit) -> None:
+        """What a durable commit owes: its failpoint, the hooks, then the notices."""
         if commit.failpoint is not None:
             failpoints.hit(commit.failpoint)
         hooks = self.after_durable
