@@ -127,8 +127,9 @@ POINTS: Final[Mapping[str, Point]] = MappingProxyType(
             io=True,
         ),
         "integrity.flip_dst": Point(
-            "Integrity.landed (daemon/node/integrity.py): the receiver heard the data "
-            "landed; flip one byte of its first destination block before any check",
+            "Integrity.landed (daemon/node/integrity.py), or Transfers.on_notification "
+            "(daemon/node/transfers.py) for an unchecked request: the receiver heard the "
+            "data landed; flip one byte of its first destination block before any check",
             io=False,
             corrupts=True,
         ),
@@ -180,7 +181,7 @@ POINTS: Final[Mapping[str, Point]] = MappingProxyType(
             corrupts=True,
         ),
         "integrity.shift_src": Point(
-            "Integrity.wire_src (daemon/node/integrity.py): the pusher hands NIXL the "
+            "_wire_src (daemon/node/transfers.py): the pusher hands NIXL the "
             "front of its blocks instead of the trimmed tail (a planted front-trim)",
             io=False,
             corrupts=True,

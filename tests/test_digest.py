@@ -141,13 +141,15 @@ def test_a_block_out_of_range_is_refused(dram) -> None:
         digest.digests(spec, regions, ((BLOCKS,), ()))
 
 
-def test_flip_byte_changes_exactly_one_checksum(dram) -> None:
+def test_flip_first_changes_exactly_one_checksum(dram) -> None:
     spec, regions = dram
     before = _words(digest.digests(spec, regions, SELECTED))
-    digest.flip_byte(spec, regions, 0, 0)
+    digest.flip_first(spec, regions, ((0, 5), ()))
     after = _words(digest.digests(spec, regions, SELECTED))
     # Block 0 of layer 0 is the second checksum; nothing else moved.
     assert [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if a != b] == [1]
+    digest.flip_first(spec, regions, ((), ()))  # no block: nothing to flip
+    assert _words(digest.digests(spec, regions, SELECTED)) == after
 
 
 @settings(max_examples=60, deadline=None)

@@ -125,9 +125,13 @@ def digests(
     return np.asarray(out, dtype="<u4").tobytes()
 
 
-def flip_byte(spec: EngineSpec, regions: Mapping[str, object], group: int, block: int) -> None:
-    """Invert byte 0 of ``block`` of layer 0 of ``group`` (the ``integrity.flip_dst``
-    failpoint: a receiver's memory changed between the landing and the check)."""
+def flip_first(spec: EngineSpec, regions: Mapping[str, object], blocks: Blocks) -> None:
+    """Invert byte 0 of the first of ``blocks`` in layer 0 of its group (the
+    ``integrity.flip_dst`` failpoint: a receiver's memory changed between the
+    landing and the check)."""
+    group = next((g for g, ids in enumerate(blocks) if ids), None)
+    if group is None:
+        return
     view = _layer_view(spec, regions, group, 0)
-    at = block * spec.groups[group].stride
+    at = blocks[group][0] * spec.groups[group].stride
     view[at] ^= 0xFF

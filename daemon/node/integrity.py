@@ -54,7 +54,7 @@ from daemon.node.ledger import Ledger
 from daemon.node.peerport import PeerPort
 from schemas import peer as pm
 from schemas.config import IntegrityConfig
-from schemas.events import Blocks, Event, Registered
+from schemas.events import Blocks, Registered
 from schemas.reasons import Reason
 from schemas.state import RequestRecord
 from statemachine import Refusal
@@ -99,14 +99,11 @@ class Integrity:
     def checks(self, request_id: str) -> bool:
         return sampled(request_id, self.verify, self.rate)
 
-    def observe(self, event: Event, touched: object, ts: float) -> None:
-        """Ledger observer: forget what a receiver no longer awaiting data left here."""
-        if not self.expected and not self.waiting:
-            return
-        if isinstance(touched, RequestRecord) and not awaiting_data(touched):
-            key = (touched.request_id, touched.incarnation)
-            self.expected.pop(key, None)
-            self.waiting.discard(key)
+    def forget(self, request_id: str, incarnation: int) -> None:
+        """A checked receiver no longer awaits data: what it left here goes (Transfers.observe)."""
+        key = (request_id, incarnation)
+        self.expected.pop(key, None)
+        self.waiting.discard(key)
 
     async def _digests(self, engine: EngineState, blocks: Blocks, algorithm: str) -> bytes:
         spec, regions = engine.spec, engine.regions
@@ -168,16 +165,6 @@ class Integrity:
         if message is not None and self._port.tell(record.peer, message):
             self.counters.integrity_digests_sent += 1
 
-    def wire_src(self, record: RequestRecord) -> Blocks:
-        """The source blocks handed to NIXL: the trimmed ``src``, unless the
-        ``integrity.shift_src`` failpoint plants a front-trim (the first of the
-        engine's blocks instead of the last)."""
-        src = record.src
-        assert src is not None
-        if failpoints.corrupts("integrity.shift_src"):
-            return tuple(own[: len(ids)] for own, ids in zip(record.blocks, src, strict=True))
-        return src
-
     # ------------------------------------------------------------- receiver
 
     async def on_digests(self, message: pm.Digests) -> None:
@@ -204,8 +191,7 @@ class Integrity:
         engine = self._engines.get(record.engine_id)
         first = key not in self.waiting  # not a data landing already waiting for digests
         if first and engine is not None and failpoints.corrupts("integrity.flip_dst"):
-            group = next(g for g, ids in enumerate(record.blocks) if ids)
-            digest.flip_byte(engine.spec, engine.regions, group, record.blocks[group][0])
+            digest.flip_first(engine.spec, engine.regions, record.blocks)
         return await self._verified(record, final=final)
 
     async def _verified(self, record: RequestRecord, *, final: bool) -> RequestRecord | None:

@@ -344,7 +344,13 @@ class Peers:
 
     async def _on_write_done(self, node: str, msg: pm.WriteDone) -> None:
         record = self._ledger.current(msg.request_id, msg.incarnation)
-        if record is not None and await self._integrity.landed(record, final=True) is None:
+        # An unchecked request never enters integrity; a checked one goes on
+        # only once its blocks compared equal.
+        if (
+            record is not None
+            and self._transfers.checked(record.request_id)
+            and await self._integrity.landed(record, final=True) is None
+        ):
             return
         await self._receiver_hears(msg.request_id, msg.incarnation, Stimulus.PEER_WRITE_DONE)
 

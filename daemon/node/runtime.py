@@ -239,7 +239,6 @@ class Node:
         ledger.observers.extend(
             (
                 self.transfers.observe,
-                self.integrity.observe,
                 self.refusals.observe,
                 self.deadlines.observe,
             )

@@ -12,23 +12,28 @@ change owes to whom is the core's (statemachine/notices.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import structlog
 
+from daemon import failpoints
+from daemon.dataplane import digest
 from daemon.dataplane.geometry import blocks_nbytes
-from daemon.dataplane.plane import DataPlane, DataPlaneError, WriteResult
+from daemon.dataplane.plane import DataPlane, DataPlaneError, Posted
+from daemon.journal.format import JournalFatal
 from daemon.node.counters import WriteCounters
 from daemon.node.integrity import Integrity
 from daemon.node.ledger import Commit, Ledger
 from daemon.node.peerport import PeerPort
 from daemon.node.tasks import Spawn
-from schemas.events import Event, WriteStarted
+from schemas.events import Blocks, Event, WriteStarted
 from schemas.layout import Role
 from schemas.reasons import Reason
 from schemas.state import RequestRecord, State
 from statemachine import TrimRefused
+from statemachine.integrity import sampled
 from statemachine.reactions import (
     Next,
     Stimulus,
@@ -45,6 +50,17 @@ if TYPE_CHECKING:
 log = structlog.get_logger("kvpushd.node")
 PUSHER, RECEIVER = Role.PUSHER, Role.RECEIVER
 REGISTERED, TRIMMED, WRITING = State.REGISTERED, State.TRIMMED, State.WRITING
+
+
+def _wire_src(record: RequestRecord) -> Blocks:
+    """The source blocks handed to NIXL: the trimmed ``src``, unless the
+    ``integrity.shift_src`` failpoint plants a front-trim (the first of the
+    engine's blocks instead of the last: what integrity checks must catch)."""
+    src = record.src
+    assert src is not None
+    if failpoints.corrupts("integrity.shift_src"):
+        return tuple(own[: len(ids)] for own, ids in zip(record.blocks, src, strict=True))
+    return src
 
 
 def notification_for(request_id: str, incarnation: int) -> bytes:
@@ -83,19 +99,28 @@ class Transfers:
         self._spawn = spawn
         self.counters = WriteCounters()
         self.writes: dict[str, asyncio.Task[None]] = {}
+        # WRITEs posted in kv_ready's call whose task has not started yet: a
+        # task cancelled before its first step never runs its own clean-up,
+        # so cancel_write stops these itself.
+        self._unclaimed: dict[str, Posted] = {}
         # Receivers waiting for data: the data plane polls for notifications
         # only while there is one.
         self.awaiting: set[str] = set()
 
     def observe(self, event: Event, touched: object, ts: float) -> None:
-        """Ledger observer: keep the set of receivers awaiting data in step with the core."""
+        """Ledger observer: keep the set of receivers awaiting data in step with the core
+        (and integrity's digests and waits of checked ones)."""
         if not isinstance(touched, RequestRecord):
             return
         had = bool(self.awaiting)
         if awaiting_data(touched):
             self.awaiting.add(touched.request_id)
-        else:
+        elif touched.request_id in self.awaiting:
             self.awaiting.discard(touched.request_id)
+            # Only a checked receiver leaves digests or a wait in integrity:
+            # an unchecked request never enters it.
+            if self.checked(touched.request_id):
+                self._integrity.forget(touched.request_id, touched.incarnation)
         if had != bool(self.awaiting):
             self._dataplane.expect_notifications(bool(self.awaiting))
 
@@ -156,49 +181,75 @@ class Transfers:
             [WriteStarted(record.request_id, record.incarnation, n_blocks, nbytes)]
         )
         self.counters.writes_started += 1
-        self.writes[record.request_id] = self._spawn(self._write(record, started, n_blocks, nbytes))
+        checked = self.checked(record.request_id)
+        # An unchecked request's WRITE is posted here, in kv_ready's own call:
+        # no task and no loop pass between the engine's word and NIXL. A
+        # checked one's source is summed first, in the write's task.
+        posted = None if checked else self._post(record, n_blocks)
+        if isinstance(posted, Posted):
+            self._unclaimed[record.request_id] = posted
+        self.writes[record.request_id] = self._spawn(
+            self._write(record, started, checked, posted, nbytes)
+        )
+
+    def checked(self, request_id: str) -> bool:
+        """Whether the request is checked for integrity: the core's rule, asked once per step."""
+        return sampled(request_id, self._integrity.verify, self._integrity.rate)
+
+    def _post(self, record: RequestRecord, n_blocks: int) -> Posted | Exception | None:
+        """Hand the WRITE to the data plane now; what refuses it is returned, not raised.
+
+        Posted while ``write_started`` is still being made durable: the
+        fdatasync and the copy overlap instead of adding up. Safe because
+        nobody is *told* anything before the record is durable (_write), the
+        receiver's blocks stay quarantined until this side's final word or a
+        fence, and a pusher that dies before the record is durable dies with
+        its write and fails the request on restart (ARCHITECTURE.md, "The
+        write path's durability"). A refusal is raised only once the record
+        is durable, so that the peer hears "writing" before the failure.
+        """
+        if not n_blocks:
+            return None
+        peer = self._agents.get(record.peer)
+        if peer is None or not peer.agent_name or not self._port.is_up(record.peer):
+            return PeerGone(f"peer {record.peer} is not connected")
+        assert record.dst is not None
+        try:
+            return self._dataplane.post(
+                record.engine_id,
+                peer.agent_name,
+                record.remote_engine,
+                _wire_src(record),
+                record.dst,
+                notification_for(record.request_id, record.incarnation),
+            )
+        except DataPlaneError as exc:
+            return exc
 
     async def _write(
-        self, record: RequestRecord, started: Commit, n_blocks: int, nbytes: int
+        self,
+        record: RequestRecord,
+        started: Commit,
+        checked: bool,
+        posted: Posted | Exception | None,
+        nbytes: int,
     ) -> None:
         ledger, integrity = self._ledger, self._integrity
         rid, inc = record.request_id, record.incarnation
-        posting: asyncio.Task[WriteResult] | None = None
-        gone: PeerGone | None = None
+        self._unclaimed.pop(rid, None)  # ours from here: stopped below if we are cancelled
         try:
-            digests = await integrity.before_write(record)  # before anything is posted
-            peer = self._agents.get(record.peer)
-            if n_blocks and (
-                peer is None or not peer.agent_name or not self._port.is_up(record.peer)
-            ):
-                gone = PeerGone(f"peer {record.peer} is not connected")
-            elif n_blocks:
-                assert peer is not None and record.src is not None and record.dst is not None
-                # Posted while write_started is still being made durable: the
-                # fdatasync and the copy overlap instead of adding up. Safe
-                # because nobody is *told* anything before the record is
-                # durable (below), the receiver's blocks stay quarantined
-                # until this side's final word or a fence, and a pusher that
-                # dies before the record is durable dies with its write and
-                # fails the request on restart (ARCHITECTURE.md, "The write
-                # path's durability").
-                posting = asyncio.ensure_future(
-                    self._dataplane.write(
-                        record.engine_id,
-                        peer.agent_name,
-                        record.remote_engine,
-                        integrity.wire_src(record),
-                        record.dst,
-                        notification_for(rid, inc),
-                    )
-                )
+            digests = None
+            if checked:
+                digests = await integrity.before_write(record)  # before anything is posted
+                posted = self._post(record, sum(len(ids) for ids in record.src or ()))
             # The peer hears "writing" (and a failure follows it) only once durable.
             await started
-            integrity.send(record, digests)
-            if gone is not None:
-                raise gone
-            if posting is not None:
-                await posting
+            if checked:
+                integrity.send(record, digests)
+            if isinstance(posted, Exception):
+                raise posted
+            if posted is not None:
+                await self._dataplane.finish(posted)
         except (DataPlaneError, PeerGone) as exc:
             self.writes.pop(rid, None)
             self.counters.writes_failed += 1
@@ -211,11 +262,8 @@ class Transfers:
             # Cancelled (an abort, a fence, the drain) or the journal failed
             # while the WRITE may be in flight: stop it before going on, so
             # that whoever cancelled us knows nothing is being written.
-            if posting is not None and not posting.done():
-                posting.cancel()
-                await asyncio.wait([posting])
-            if posting is not None and not posting.cancelled():
-                posting.exception()  # retrieved: the failure that matters is ours
+            if isinstance(posted, Posted):
+                await self._dataplane.stop(posted)
             raise
         self.writes.pop(rid, None)
         current = ledger.current(rid, inc)
@@ -241,6 +289,10 @@ class Transfers:
                 raise  # we are being cancelled ourselves, not just the write
         except Exception as exc:  # already failed: the write task logged and failed it
             log.debug("cancelled write had failed", request_id=request_id, error=repr(exc))
+        finally:
+            unclaimed = self._unclaimed.pop(request_id, None)
+            if unclaimed is not None:  # cancelled before it started: its WRITE is ours to stop
+                await self._dataplane.stop(unclaimed)
 
     # ------------------------------------------------------------- receiver
 
@@ -252,7 +304,21 @@ class Transfers:
         record = self._ledger.registry.get(key[0])
         if record is None or record.incarnation != key[1] or not awaiting_data(record):
             return
-        self._spawn(self._arrived(key[0], key[1]))
+        if self.checked(record.request_id):
+            # Its landed blocks are summed and compared first, which may wait
+            # for the pusher's digests or a thread: a task.
+            self._spawn(self._arrived(key[0], key[1]))
+            return
+        # Unchecked: the core's reaction is committed here, in the data
+        # plane's callback, and the engine told from the group commit's
+        # wake-up: no task per landing.
+        engine = self._engines.get(record.engine_id)
+        if engine is not None and failpoints.corrupts("integrity.flip_dst"):
+            digest.flip_first(engine.spec, engine.regions, record.blocks)
+        # A journal that fails here was reported by its on_fatal: the node
+        # stops and replays.
+        with contextlib.suppress(JournalFatal):
+            self._ledger.react_and_tell(record, Stimulus.DATA_LANDED, failpoint="node.kv_arrived")
 
     async def _arrived(self, request_id: str, incarnation: int) -> None:
         record = self._ledger.current(request_id, incarnation)
