@@ -51,7 +51,13 @@ class DaemonCalls:
     """One engine's calls to its daemon (the link's ``Session``).
 
     ``still_ours``: whether vLLM still waits on a transfer (vLLM's thread's
-    bookkeeping, read here before a lost registration is asked again).
+    bookkeeping, read here before a lost registration is asked again). The
+    one read across threads, on purpose: a membership test of a dict (atomic
+    under the GIL) is the freshest word there is; a copy the loop kept, fed
+    by vLLM's thread through the link, could only lag behind the moment vLLM
+    takes blocks back, and widen the window this check narrows. What closes
+    that window is the daemon's: a transfer it knew, ended meanwhile, is
+    refused as stale (its tombstone), never registered anew.
     """
 
     def __init__(
