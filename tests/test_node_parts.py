@@ -36,6 +36,7 @@ from daemon.node.engines import Engines
 from daemon.node.integrity import Integrity
 from daemon.node.ledger import Carriers, Ledger
 from daemon.node.lifecycle import Lifecycle
+from daemon.node.peerlink import PeerManager
 from daemon.node.peerport import PeerPort
 from daemon.node.peers import Peers
 from daemon.node.peerstate import PeerState
@@ -47,7 +48,7 @@ from daemon.sim.engine_shm import ShmRegion, allocate
 from harness.lifecycle import PREFILL
 from schemas import peer as pm
 from schemas import rpc
-from schemas.config import IntegrityConfig, LimitsConfig, VerifyMode
+from schemas.config import IntegrityConfig, LimitsConfig, PeerConfig, VerifyMode
 from schemas.events import Failed, KvReady, Refused, Registered, Trimmed
 from schemas.kvlayout import EngineSpec
 from schemas.layout import Role
@@ -524,3 +525,90 @@ async def test_peers_fence_a_peer_in_its_turn_never_inside_its_peer_up(
     # That peer_up registered the new windows (none left over to collide with)
     # before this second fence forgot them again.
     assert state.engines == {"dec": second.engines[0]}
+
+
+async def _linked(port: PeerPort) -> list[PeerManager]:
+    """A real peer link between this node and ``PEER`` on loopback, ``port`` attached to it."""
+    secret = os.urandom(32)
+
+    def hello(node: str) -> Any:
+        return lambda peer: pm.Hello(node, "boot-1", f"agent-{node}", b"md", ())
+
+    def manager(node: str, peers: list[PeerConfig]) -> PeerManager:
+        return PeerManager(
+            node,
+            secret,
+            "127.0.0.1:0",
+            peers,
+            hello=hello(node),
+            on_up=lambda *_: None,
+            on_message=lambda *_: None,
+            on_down=lambda *_: None,
+        )
+
+    # The name that sorts first dials: the decode node, here.
+    prefill = manager("prefill-node", [PeerConfig(PEER, "127.0.0.1:1")])
+    await prefill.start()
+    decode = manager(PEER, [PeerConfig("prefill-node", f"127.0.0.1:{prefill.listen_port}")])
+    await decode.start()
+    port.attach(prefill)
+    for _ in range(500):
+        if port.is_up(PEER):
+            break
+        await asyncio.sleep(0.01)
+    assert port.is_up(PEER)
+    return [prefill, decode]
+
+
+async def test_transfers_stop_a_write_whose_task_was_cancelled_before_it_ever_ran(
+    parts: Parts, shm: Any
+) -> None:
+    # An unchecked request's WRITE is posted in kv_ready's own call, before
+    # its task runs; a cancel in that same loop pass (a deadline) reaches a
+    # task that never starts, so never runs its own clean-up. cancel_write
+    # must still return only once NIXL let the WRITE go.
+    groups, regions = shm
+    # The decode side: its own data plane, which never progresses while it
+    # expects nothing (so the WRITE stays in flight), and its own memory.
+    dgroups, dregions = allocate((SimGroup(8, 256),), f"kvp-parts-d-{uuid.uuid4().hex[:8]}")
+    receiver = DataPlane(f"parts-recv-{uuid.uuid4().hex[:8]}", idle_progress_s=None)
+    await receiver.start()
+    dspec = EngineSpec("dec", dgroups, tuple(r.spec() for r in dregions))
+    dmapped = {r.name: map_dram_region(r.spec(), owner_uid=None) for r in dregions}
+    managers = await _linked(parts.port)
+    try:
+        await receiver.add_local_engine(dspec, dmapped)
+        windows = await receiver.open_windows("prefill-node", dspec, dmapped)
+        hello = pm.Hello(PEER, "boot-1", receiver.agent_name, await receiver.metadata(), (windows,))
+        integrity = parts.integrity()  # verify off: unchecked
+        transfers = parts.transfers(integrity)
+        engines = parts.engines_part(parts.windows())
+        await parts.peers(parts.windows(), transfers, integrity).peer_up(PEER, hello)
+        specs = tuple(r.spec() for r in regions)
+        registered = await engines.register(
+            RecordingSession(), rpc.RegisterEngine(1, "prefill-0", groups, specs)
+        )
+        assert isinstance(registered, rpc.Ok)
+        ledger, registry = parts.ledger, parts.ledger.registry
+        ledger.commit(
+            [registry.check_peer_registration("r1", 1, PEER, "dec", ((5, 6),), 1)], Cause.PEER
+        )
+        ledger.commit([registry.check_register("r1", 1, Role.PUSHER, "prefill-0", PEER, [[1, 2]])])
+        ledger.commit([KvReady("r1", 1)])
+
+        assert transfers.step("r1") is None  # trimmed, WriteStarted, the WRITE posted
+        worker = parts.dataplane._worker
+        assert worker is not None
+        await transfers.cancel_write("r1")  # no await in between: the task never ran
+        assert parts.dataplane.writes_cancelled == 1
+        assert not worker.st.inflight
+        assert "r1" not in transfers.writes
+    finally:
+        for manager in managers:
+            await manager.close()
+        await parts.tasks.cancel_all()
+        await receiver.close()
+        for region in dmapped.values():
+            region.close()
+        for shared in dregions:
+            shared.close()
