@@ -117,28 +117,26 @@ def _cuda() -> ctypes.CDLL:
             for name, argtypes in _SIGNATURES.items():
                 function = getattr(lib, name)
                 function.argtypes, function.restype = argtypes, ctypes.c_int
-            _check(lib, lib.cuInit(0), "cuInit")
+            _call(lib, "cuInit", 0)
             _driver = lib
         return _driver
 
 
-def _check(lib: ctypes.CDLL, result: int, call: str) -> None:
+def _call(lib: ctypes.CDLL, name: str, *args: Any) -> None:
+    """Call the driver's ``name``; CumemError naming it unless it returned CUDA_SUCCESS."""
+    result = getattr(lib, name)(*args)
     if result == 0:
         return
     text = ctypes.c_char_p()
     lib.cuGetErrorString(result, ctypes.byref(text))
     said = text.value.decode() if text.value else "unknown error"
-    raise CumemError(f"{call} failed: CUDA error {result} ({said})")
+    raise CumemError(f"{name} failed: CUDA error {result} ({said})")
 
 
 def _device_attribute(lib: ctypes.CDLL, device: int, attribute: int) -> int:
     handle, value = ctypes.c_int(), ctypes.c_int()
-    _check(lib, lib.cuDeviceGet(ctypes.byref(handle), device), "cuDeviceGet")
-    _check(
-        lib,
-        lib.cuDeviceGetAttribute(ctypes.byref(value), attribute, handle),
-        "cuDeviceGetAttribute",
-    )
+    _call(lib, "cuDeviceGet", ctypes.byref(handle), device)
+    _call(lib, "cuDeviceGetAttribute", ctypes.byref(value), attribute, handle)
     return value.value
 
 
@@ -161,12 +159,12 @@ def granularity(device: int) -> int:
     lib = _cuda()
     prop = _exportable(device)
     size = _size()
-    _check(
+    _call(
         lib,
-        lib.cuMemGetAllocationGranularity(
-            ctypes.byref(size), ctypes.byref(prop), CU_MEM_ALLOC_GRANULARITY_MINIMUM
-        ),
         "cuMemGetAllocationGranularity",
+        ctypes.byref(size),
+        ctypes.byref(prop),
+        CU_MEM_ALLOC_GRANULARITY_MINIMUM,
     )
     return int(size.value)
 
@@ -183,24 +181,21 @@ class Mapping:
     def _then_undo(self, undo: Callable[[], None]) -> None:
         self._undo.append(undo)
 
+    def adopt(self, lib: ctypes.CDLL, handle: int) -> None:
+        """``handle`` is this mapping's allocation: released last by :meth:`close`."""
+        self.handle = handle
+        self._then_undo(lambda: _call(lib, "cuMemRelease", handle))
+
     def map(self, lib: ctypes.CDLL, handle: int, alignment: int) -> None:
         """Reserve an address range, map ``handle`` there and open it to this device."""
         base = _u64()
-        _check(
-            lib,
-            lib.cuMemAddressReserve(ctypes.byref(base), self.size, alignment, 0, 0),
-            "cuMemAddressReserve",
-        )
+        _call(lib, "cuMemAddressReserve", ctypes.byref(base), self.size, alignment, 0, 0)
         self.base = int(base.value)
-        self._then_undo(
-            lambda: _check(lib, lib.cuMemAddressFree(self.base, self.size), "cuMemAddressFree")
-        )
-        _check(lib, lib.cuMemMap(self.base, self.size, 0, handle, 0), "cuMemMap")
-        self._then_undo(lambda: _check(lib, lib.cuMemUnmap(self.base, self.size), "cuMemUnmap"))
+        self._then_undo(lambda: _call(lib, "cuMemAddressFree", self.base, self.size))
+        _call(lib, "cuMemMap", self.base, self.size, 0, handle, 0)
+        self._then_undo(lambda: _call(lib, "cuMemUnmap", self.base, self.size))
         access = _access(self.device)
-        _check(
-            lib, lib.cuMemSetAccess(self.base, self.size, ctypes.byref(access), 1), "cuMemSetAccess"
-        )
+        _call(lib, "cuMemSetAccess", self.base, self.size, ctypes.byref(access), 1)
 
     def tensor(self) -> Any:
         """A flat uint8 torch tensor over the mapping (it keeps no hold on the memory)."""
@@ -265,21 +260,17 @@ class ExportedVram(Mapping):
         prop.allocFlags.gpuDirectRDMACapable = int(made.rdma_capable)
         handle = _u64()
         try:
-            _check(
-                lib,
-                lib.cuMemCreate(ctypes.byref(handle), made.size, ctypes.byref(prop), 0),
-                "cuMemCreate",
-            )
-            made.handle = int(handle.value)
-            made._then_undo(lambda: _check(lib, lib.cuMemRelease(made.handle), "cuMemRelease"))
+            _call(lib, "cuMemCreate", ctypes.byref(handle), made.size, ctypes.byref(prop), 0)
+            made.adopt(lib, int(handle.value))
             made.map(lib, made.handle, step)
             fd = ctypes.c_int(-1)
-            _check(
+            _call(
                 lib,
-                lib.cuMemExportToShareableHandle(
-                    ctypes.byref(fd), made.handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
-                ),
                 "cuMemExportToShareableHandle",
+                ctypes.byref(fd),
+                made.handle,
+                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
             )
             made.fd = fd.value
             made._then_undo(lambda: os.close(made.fd))
@@ -305,22 +296,17 @@ def import_vram(fd: int, device: int, size: int) -> Mapping:
         )
     mapping = Mapping(device, size)
     handle = _u64()
-    _check(
+    _call(
         lib,
-        lib.cuMemImportFromShareableHandle(
-            ctypes.byref(handle), ctypes.c_void_p(fd), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        ),
         "cuMemImportFromShareableHandle",
+        ctypes.byref(handle),
+        ctypes.c_void_p(fd),
+        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
     )
-    mapping.handle = int(handle.value)
-    mapping._then_undo(lambda: _check(lib, lib.cuMemRelease(mapping.handle), "cuMemRelease"))
+    mapping.adopt(lib, int(handle.value))
     try:
         prop = _Prop()
-        _check(
-            lib,
-            lib.cuMemGetAllocationPropertiesFromHandle(ctypes.byref(prop), mapping.handle),
-            "cuMemGetAllocationPropertiesFromHandle",
-        )
+        _call(lib, "cuMemGetAllocationPropertiesFromHandle", ctypes.byref(prop), mapping.handle)
         if prop.location.id != device:
             raise CumemError(
                 f"the allocation lies on CUDA device {prop.location.id}, the region names {device}"

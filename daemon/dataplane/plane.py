@@ -373,8 +373,7 @@ class DataPlane:
         try:
             result = await asyncio.shield(fut)
         except asyncio.CancelledError:
-            posted.stopped = True
-            await self._cancel_write(posted.worker, posted.xid, fut)
+            await self._cancel_write(posted, fut)
             raise
         except TransferError:
             self.write_errors += 1
@@ -393,12 +392,11 @@ class DataPlane:
             if fut is not None and fut.done() and not fut.cancelled():
                 fut.exception()  # retrieved: whoever gave up on it has its own failure
             return
-        posted.stopped = True
-        await self._cancel_write(posted.worker, posted.xid, fut)
+        await self._cancel_write(posted, fut)
 
-    async def _cancel_write(
-        self, worker: Worker, xid: int, fut: asyncio.Future[WriteResult]
-    ) -> None:
+    async def _cancel_write(self, posted: Posted, fut: asyncio.Future[WriteResult]) -> None:
+        posted.stopped = True
+        worker, xid = posted.worker, posted.xid
         self.writes_cancelled += 1
         ack: asyncio.Future[str] = worker.loop.create_future()
         worker.submit(Cancel(xid, ack))

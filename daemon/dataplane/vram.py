@@ -176,10 +176,7 @@ def decode_handle(spec: RegionSpec) -> CudaIpcHandle:
     where = f"region {spec.name!r}"
     if spec.memory is not MemoryKind.VRAM:
         raise RegionError(f"{where} is {spec.memory.value}, not VRAM")
-    if spec.size <= 0:
-        raise RegionError(f"{where} has size {spec.size}; it must be positive")
-    if spec.device < 0:
-        raise RegionError(f"{where}: device {spec.device} is not a CUDA device index")
+    _check_size_and_device(where, spec)
     if not spec.ipc_handle:
         raise RegionError(f"{where} is VRAM but carries no ipc_handle")
     if len(spec.ipc_handle) > MAX_HANDLE_BYTES:
@@ -190,6 +187,13 @@ def decode_handle(spec: RegionSpec) -> CudaIpcHandle:
         raise RegionError(f"{where}: ipc_handle is not a valid CUDA IPC handle: {exc}") from None
     _check_handle(where, spec, handle)
     return handle
+
+
+def _check_size_and_device(where: str, spec: RegionSpec) -> None:
+    if spec.size <= 0:
+        raise RegionError(f"{where} has size {spec.size}; it must be positive")
+    if spec.device < 0:
+        raise RegionError(f"{where}: device {spec.device} is not a CUDA device index")
 
 
 def _check_handle(where: str, spec: RegionSpec, handle: CudaIpcHandle) -> None:
@@ -338,17 +342,10 @@ def open_vram_descriptor(
     where = f"region {spec.name!r}"
     if spec.ipc_handle or spec.path:
         raise RegionError(f"{where} names a descriptor and also an ipc_handle or a path")
-    if spec.size <= 0:
-        raise RegionError(f"{where} has size {spec.size}; it must be positive")
-    if spec.device < 0:
-        raise RegionError(f"{where}: device {spec.device} is not a CUDA device index")
+    _check_size_and_device(where, spec)
     fd = descriptor_of(spec, descriptors)
     torch = _cuda_torch(spec)
-    count = torch.cuda.device_count()
-    if spec.device >= count:
-        raise RegionError(
-            f"{where}: CUDA device {spec.device} does not exist here (this daemon sees {count})"
-        )
+    _check_device_count(torch, spec)
     with torch.cuda.device(spec.device):
         try:
             mapping = import_vram(fd, spec.device, spec.size)
@@ -418,14 +415,18 @@ def _cuda_torch(spec: RegionSpec) -> ModuleType:
     return torch
 
 
-def _check_device(torch: ModuleType, spec: RegionSpec, handle: CudaIpcHandle) -> None:
-    where = f"region {spec.name!r}"
+def _check_device_count(torch: ModuleType, spec: RegionSpec) -> None:
     count = torch.cuda.device_count()
     if spec.device >= count:
         raise RegionError(
-            f"{where}: CUDA device {spec.device} does not exist here (this daemon sees"
-            f" {count}; do the engine and the daemon see the same CUDA_VISIBLE_DEVICES?)"
+            f"region {spec.name!r}: CUDA device {spec.device} does not exist here (this daemon"
+            f" sees {count}; do the engine and the daemon see the same CUDA_VISIBLE_DEVICES?)"
         )
+
+
+def _check_device(torch: ModuleType, spec: RegionSpec, handle: CudaIpcHandle) -> None:
+    where = f"region {spec.name!r}"
+    _check_device_count(torch, spec)
     here = _device_uuid(spec.device)
     if handle.device_uuid and here and here != handle.device_uuid:
         raise RegionError(

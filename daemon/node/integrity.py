@@ -139,14 +139,13 @@ class Integrity:
 
     # --------------------------------------------------------------- pusher
 
-    async def before_write(self, record: RequestRecord) -> pm.Digests | None:
-        """Pusher: the digests of a checked request's source blocks (None: not checked).
+    async def before_write(self, record: RequestRecord) -> pm.Digests:
+        """Pusher: the digests of a checked request's source blocks (Transfers asks
+        only for those).
 
         Taken before the WRITE is posted; :meth:`send` sends them once
         ``write_started`` is durable.
         """
-        if not self.checks(record.request_id):
-            return None
         engine = self._engines.get(record.engine_id)
         assert record.src is not None and record.dst is not None
         if engine is None:
@@ -160,9 +159,9 @@ class Integrity:
             data = await self._digests(engine, record.src, algorithm)
         return pm.Digests(record.request_id, record.incarnation, algorithm, data, record.dst)
 
-    def send(self, record: RequestRecord, message: pm.Digests | None) -> None:
+    def send(self, record: RequestRecord, message: pm.Digests) -> None:
         """Pusher: ``write_started`` is durable; the receiver's daemon gets the digests."""
-        if message is not None and self._port.tell(record.peer, message):
+        if self._port.tell(record.peer, message):
             self.counters.integrity_digests_sent += 1
 
     # ------------------------------------------------------------- receiver
@@ -198,8 +197,9 @@ class Integrity:
         ledger = self._ledger
         key = (record.request_id, record.incarnation)
         engine = self._engines.get(record.engine_id)
-        if not self.checks(record.request_id) or not any(record.blocks):
-            return record  # not checked, or nothing to check (a full prefix hit)
+        # Only a checked request comes here (Transfers and Peers ask first).
+        if not any(record.blocks):
+            return record  # nothing to check (a full prefix hit)
         message = self.expected.get(key)
         if message is None:
             if not final:

@@ -189,11 +189,11 @@ class Transfers:
         if isinstance(posted, Posted):
             self._unclaimed[record.request_id] = posted
         self.writes[record.request_id] = self._spawn(
-            self._write(record, started, checked, posted, nbytes)
+            self._write(record, started, checked, posted, n_blocks, nbytes)
         )
 
     def checked(self, request_id: str) -> bool:
-        """Whether the request is checked for integrity: the core's rule, asked once per step."""
+        """Whether the request is checked for integrity: the core's rule, from its id alone."""
         return sampled(request_id, self._integrity.verify, self._integrity.rate)
 
     def _post(self, record: RequestRecord, n_blocks: int) -> Posted | Exception | None:
@@ -232,6 +232,7 @@ class Transfers:
         started: Commit,
         checked: bool,
         posted: Posted | Exception | None,
+        n_blocks: int,
         nbytes: int,
     ) -> None:
         ledger, integrity = self._ledger, self._integrity
@@ -241,10 +242,10 @@ class Transfers:
             digests = None
             if checked:
                 digests = await integrity.before_write(record)  # before anything is posted
-                posted = self._post(record, sum(len(ids) for ids in record.src or ()))
+                posted = self._post(record, n_blocks)
             # The peer hears "writing" (and a failure follows it) only once durable.
             await started
-            if checked:
+            if digests is not None:
                 integrity.send(record, digests)
             if isinstance(posted, Exception):
                 raise posted
