@@ -111,6 +111,42 @@ def add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     status.set_defaults(func=cmd_status)
 
 
+# --- `kvpushd quarantine` (daemon/ops/quarantine.py) ------------------------
+
+
+def cmd_quarantine(args: argparse.Namespace) -> int:
+    from daemon.ops.quarantine import run as quarantine_run  # keeps `kvpushd run` imports lean
+
+    return quarantine_run(args)
+
+
+def add_quarantine_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    quarantine = sub.add_parser(
+        "quarantine",
+        help="list or clear the engine pairings a running daemon quarantined (kv_mismatch)",
+        epilog=STATUS_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    qsub = quarantine.add_subparsers(dest="quarantine_command", required=True, metavar="ACTION")
+    listing = qsub.add_parser(
+        "list", help="the quarantined pairings, with the mismatch that began each"
+    )
+    clear = qsub.add_parser("clear", help="end quarantines (journaled: a restart keeps the clear)")
+    clear.add_argument("ids", nargs="*", help="the ids `kvpushd quarantine list` shows")
+    clear.add_argument("--all", action="store_true", help="clear every quarantined pairing")
+    for action in (listing, clear):
+        where = action.add_mutually_exclusive_group()
+        where.add_argument("--socket", help="the daemon's engine socket")
+        where.add_argument(
+            "--config", type=Path, help="the daemon's TOML config (names the socket)"
+        )
+        action.add_argument("--json", action="store_true", help="print the reply as JSON")
+        action.add_argument(
+            "--timeout", type=float, default=5.0, help="seconds to wait for a reply"
+        )
+        action.set_defaults(func=cmd_quarantine)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     # Imported here so that other commands never load the simulated engine (numpy).
     from daemon.sim.demo import main as demo_main
@@ -153,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(func=cmd_run)
     add_status_parser(sub)
+    add_quarantine_parser(sub)
 
     demo = sub.add_parser(
         "demo", help="run a prefill and a decode daemon on this machine and push real bytes"

@@ -13,7 +13,7 @@ ever appended, with defaults, which the format version makes explicit.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Annotated, Final
 
 import msgspec
 
@@ -25,6 +25,20 @@ FORMAT_VERSION: Final = 1
 
 Blocks = tuple[tuple[int, ...], ...]
 """Kernel block ids, one tuple per KV-cache group, in group order."""
+
+# Bounds of what an engine (rpc.KvMismatch) or a peer (peer.KvMismatch)
+# reports of a behavioural check, checked where the report is decoded.
+MAX_REPORTED_ID: Final = 1024  # a request id, as long as any engine makes one
+MAX_MISMATCH_DETAIL: Final = 256
+MAX_LAYER: Final = 1 << 20
+MAX_POSITION: Final = 1 << 40  # a token position
+MAX_DIFFERENCE: Final = 1e300  # finite: NaN and inf are refused
+ReportedId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REPORTED_ID)]
+Incarnation = Annotated[int, msgspec.Meta(ge=1, le=(1 << 63) - 1)]
+Layer = Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYER)]
+Position = Annotated[int, msgspec.Meta(ge=0, le=MAX_POSITION)]
+Difference = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_DIFFERENCE)]
+Detail = Annotated[str, msgspec.Meta(max_length=MAX_MISMATCH_DETAIL)]
 
 
 class _Event(msgspec.Struct, frozen=True, array_like=True, tag_field="ev"):
@@ -176,6 +190,46 @@ class Refused(_RequestEvent, frozen=True, tag="refused"):
     message: str
 
 
+class KvMismatch(_Event, frozen=True, tag="kv_mismatch"):
+    """A decode recomputed a loaded prompt's token and its K/V differed from the pushed K/V.
+
+    Not a transition: the request may be released already (the load landed,
+    ``kv_arrived`` went out, the engine released it, then its forward ran).
+    Journaled on both nodes: ``role`` receiver on the decode's (the decode
+    engine's report, ``rpc.KvMismatch``; ``peer`` the prefill node, whose
+    pushing engine it does not know: ``peer_engine`` ""), role pusher on the
+    prefill's (the decode daemon's ``peer.KvMismatch``; ``peer`` the decode
+    node, ``peer_engine`` its engine). ``layer`` and ``position`` say where,
+    ``difference`` the largest absolute difference and ``tolerance`` the
+    bound the engine compared it with. A pusher's record carries both
+    engines' fingerprints, the pairing it quarantines
+    (statemachine/quarantine.py); replay rebuilds the quarantine from it.
+    """
+
+    request_id: str
+    incarnation: int
+    role: Role
+    engine_id: str
+    peer: str
+    peer_engine: str
+    layer: int
+    position: int
+    difference: float
+    tolerance: float
+    detail: str = ""
+    prefill_fingerprint: Fingerprint | None = None
+    decode_fingerprint: Fingerprint | None = None
+
+
+class QuarantineCleared(_Event, frozen=True, tag="quarantine_cleared"):
+    """An operator cleared the quarantine of one pairing (``kvpushd quarantine clear``)."""
+
+    prefill_fingerprint: Fingerprint | None
+    decode_fingerprint: Fingerprint | None
+    # Which quarantine it was (statemachine/quarantine.py quarantine_id).
+    quarantine_id: str = ""
+
+
 Event = (
     DaemonStarted
     | EngineAttached
@@ -193,6 +247,8 @@ Event = (
     | Refused
     | IntegrityMismatch
     | Held
+    | KvMismatch
+    | QuarantineCleared
 )
 
 RequestEvent = (

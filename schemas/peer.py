@@ -15,10 +15,19 @@ engines; incompatible layouts end the link with ``Goodbye``.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Annotated, Final
 
 import msgspec
 
+from schemas.events import (
+    MAX_REPORTED_ID,
+    Detail,
+    Difference,
+    Incarnation,
+    Layer,
+    Position,
+    ReportedId,
+)
 from schemas.fingerprint import Fingerprint
 from schemas.kvlayout import RemoteEngine
 from schemas.reasons import Reason
@@ -146,6 +155,24 @@ class Cancel(_Peer, frozen=True, tag="cancel"):
     incarnation: int
 
 
+class KvMismatch(_Peer, frozen=True, tag="kv_mismatch"):
+    """Receiver -> pusher: the decode engine found the pushed KV is not its own.
+
+    Its engine's report (rpc.KvMismatch), journaled on the decode node first;
+    ``engine_id`` is the decode engine. The pusher's daemon journals its own
+    ``kv_mismatch`` and quarantines the pairing (statemachine/quarantine.py).
+    """
+
+    request_id: ReportedId
+    incarnation: Incarnation
+    engine_id: Annotated[str, msgspec.Meta(max_length=MAX_REPORTED_ID)]
+    layer: Layer
+    position: Position
+    difference: Difference
+    tolerance: Difference
+    detail: Detail = ""
+
+
 PeerMessage = (
     Challenge
     | Answer
@@ -161,4 +188,5 @@ PeerMessage = (
     | Cancel
     | Digests
     | Hold
+    | KvMismatch
 )

@@ -59,6 +59,12 @@ class Reason(enum.StrEnum):
     # The receiver's checksums of the blocks that landed differ from the
     # pusher's checksums of its source blocks (verify, ARCHITECTURE.md).
     INTEGRITY_MISMATCH = "integrity_mismatch"
+    # The pairing of these two engines' fingerprints is quarantined: a decode
+    # recomputed a loaded prompt's last token and its K/V differed from what
+    # this prefill pushed there (kv_mismatch, statemachine/quarantine.py).
+    # Refused at pairing, before anything is written, until the prefill
+    # engine registers with another fingerprint or an operator clears it.
+    QUARANTINED = "quarantined"
 
 
 # Which reasons each journaled event can carry, for the metric families that
@@ -90,6 +96,7 @@ REFUSAL_REASONS: frozenset[Reason] = frozenset(
         Reason.BLOCK_COUNT_MISMATCH,
         Reason.FINGERPRINT_MISMATCH,
         Reason.CONTENT_MISMATCH,
+        Reason.QUARANTINED,
         Reason.ILLEGAL_TRANSITION,
         Reason.OFFLOAD_EXHAUSTED,
         Reason.BAD_SLOT,
@@ -119,6 +126,7 @@ FAILURE_REASONS: frozenset[Reason] = frozenset(
         Reason.BLOCK_COUNT_MISMATCH,
         Reason.FINGERPRINT_MISMATCH,
         Reason.CONTENT_MISMATCH,
+        Reason.QUARANTINED,
         Reason.ROLE_MISMATCH,
         Reason.DUPLICATE_REQUEST,
         Reason.STALE_INCARNATION,

@@ -14,10 +14,12 @@ from typing import Annotated, Final
 
 import msgspec
 
+from schemas.events import Detail, Difference, Incarnation, Layer, Position, ReportedId
 from schemas.fingerprint import Fingerprint
 from schemas.kvlayout import GroupSpec, MemoryNote, RegionSpec
 from schemas.layout import Role
 from schemas.reasons import Reason
+from schemas.state import Quarantined
 from schemas.status import StatusDocument
 
 # 2 adds Batch / BatchReply, and Events (a loop iteration's events in one
@@ -129,6 +131,46 @@ class Status(_Request, frozen=True, tag="status"):
     pass
 
 
+class KvMismatch(_Request, frozen=True, tag="kv_mismatch"):
+    """Decode side: a load's KV is not this engine's (identity by behaviour).
+
+    The engine recomputed the prompt's token at ``position`` and its own K/V
+    of ``layer`` there differed from what the prefill pushed by
+    ``difference`` (the largest absolute difference), more than
+    ``tolerance``. ``request_id`` and ``incarnation`` are the receiver's, as
+    registered; it may be released already. The daemon journals
+    ``kv_mismatch``, tells the prefill daemon (which quarantines the pairing
+    of the two engines' fingerprints) and answers ``Ok``; an id this daemon
+    never had a receiver for (or forgot: it keeps the last few thousand
+    released) is refused, nothing changed.
+    """
+
+    request_id: ReportedId
+    layer: Layer
+    position: Position
+    difference: Difference
+    tolerance: Difference
+    detail: Detail = ""
+    incarnation: Incarnation = 1
+
+
+class QuarantineList(_Request, frozen=True, tag="quarantine_list"):
+    """Operator: the pairings this daemon quarantined (``kvpushd quarantine list``)."""
+
+
+MAX_CLEARED: Final = 1024
+
+
+class QuarantineClear(_Request, frozen=True, tag="quarantine_clear"):
+    """Operator: end the quarantine of the pairings ``ids`` names, or of all (``every``)."""
+
+    ids: Annotated[
+        tuple[Annotated[str, msgspec.Meta(max_length=64)], ...],
+        msgspec.Meta(max_length=MAX_CLEARED),
+    ] = ()
+    every: bool = False
+
+
 # What a Batch may carry: the calls about one request each, which an engine
 # step produces many of. Hello, RegisterEngine and Status stay single.
 BatchOp = RegisterRequest | KvReady | Release | Abort | Hold
@@ -148,7 +190,18 @@ class Batch(_Request, frozen=True, tag="batch"):
 
 
 Request = (
-    Hello | RegisterEngine | RegisterRequest | KvReady | Release | Abort | Hold | Status | Batch
+    Hello
+    | RegisterEngine
+    | RegisterRequest
+    | KvReady
+    | Release
+    | Abort
+    | Hold
+    | Status
+    | Batch
+    | KvMismatch
+    | QuarantineList
+    | QuarantineClear
 )
 
 
@@ -187,6 +240,13 @@ class Deferred(_Reply, frozen=True, tag="deferred"):
 
 class StatusReply(_Reply, frozen=True, tag="status_reply"):
     status: StatusDocument
+
+
+class QuarantineReply(_Reply, frozen=True, tag="quarantine_reply"):
+    """The quarantined pairings (after a clear: those left), and the ids a clear ended."""
+
+    entries: tuple[Quarantined, ...]
+    cleared: tuple[str, ...] = ()
 
 
 class Error(_Reply, frozen=True, tag="error"):
@@ -252,7 +312,9 @@ class BatchReply(_Reply, frozen=True, tag="batch_reply"):
     replies: tuple[OpReply, ...]
 
 
-Reply = Ok | HelloOk | RequestAccepted | Deferred | StatusReply | Error | BatchReply
+Reply = (
+    Ok | HelloOk | RequestAccepted | Deferred | StatusReply | Error | BatchReply | QuarantineReply
+)
 Event = KvArrived | BlocksFreeable | RequestFailed | Released
 
 

@@ -90,12 +90,38 @@ class PendingPeer(msgspec.Struct, frozen=True):
     received_at: float
 
 
+class Quarantined(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A quarantined pairing: a prefill and a decode fingerprint whose KV disagreed.
+
+    Folded from the pusher's ``KvMismatch`` records (statemachine/quarantine.py):
+    ``id`` names it for ``kvpushd quarantine clear``; the fingerprints are
+    the pairing's (placement left out: every rank's share of that pairing);
+    the rest is the first mismatch that quarantined it (``since``, journal
+    time), and ``mismatches`` counts every one since.
+    """
+
+    id: str
+    prefill_fingerprint: Fingerprint | None
+    decode_fingerprint: Fingerprint | None
+    since: float
+    request_id: str
+    engine_id: str
+    peer: str
+    peer_engine: str
+    layer: int
+    position: int
+    difference: float
+    tolerance: float
+    mismatches: int = 1
+
+
 class RegistrySnapshot(msgspec.Struct, frozen=True, omit_defaults=True):
     """The whole registry as data: written to snapshots, compared in tests.
 
     ``offload`` lists the offload slots each live request holds (request id,
     slots), in grant order; omitted when none is held, so a registry without
-    grants encodes as it did before grants were journaled.
+    grants encodes as it did before grants were journaled. ``quarantine``:
+    the quarantined pairings (none: omitted, as before there were any).
     """
 
     last_seq: int
@@ -104,3 +130,4 @@ class RegistrySnapshot(msgspec.Struct, frozen=True, omit_defaults=True):
     pending: tuple[PendingPeer, ...]
     tombstones: tuple[tuple[str, int], ...]
     offload: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    quarantine: tuple[Quarantined, ...] = ()

@@ -35,8 +35,10 @@ from schemas.events import (
     Event,
     Failed,
     Held,
+    KvMismatch,
     KvReady,
     PeerRegistered,
+    QuarantineCleared,
     Refused,
     Registered,
     RequestEvent,
@@ -48,6 +50,7 @@ from schemas.reasons import Reason
 from schemas.state import (
     Deadlines,
     PendingPeer,
+    Quarantined,
     RegistrySnapshot,
     RequestRecord,
     State,
@@ -55,6 +58,16 @@ from schemas.state import (
 from statemachine import content as block_content
 from statemachine.errors import IllegalTransition, Refusal
 from statemachine.fingerprint import check_fingerprints
+from statemachine.quarantine import (
+    Landed,
+    PairingKey,
+    RecentReleases,
+    check_quarantine,
+    landed,
+    moved_kv,
+    pairing_key,
+    quarantined_by,
+)
 from statemachine.reactions import Stimulus, Why, react, react_pending
 from statemachine.tombstones import Tombstones
 from statemachine.transitions import apply as apply_transition
@@ -212,6 +225,10 @@ class Registry:
         # request, and request -> its slots (in grant order).
         self._slot_holders: dict[str, dict[int, str]] = {}
         self._granted: dict[str, tuple[int, ...]] = {}
+        # Pairings whose KV disagreed in behaviour (statemachine/quarantine.py),
+        # and the last released transfers, which a late mismatch report names.
+        self.quarantine: dict[PairingKey, Quarantined] = {}
+        self.recent = RecentReleases()
 
     # ------------------------------------------------------------------ queries
 
@@ -551,6 +568,10 @@ class Registry:
         # Before any pairing: blocks of the right size from another model
         # would be written, loaded and decoded into wrong tokens.
         check_fingerprints(layout.fingerprint, record.remote_fingerprint)
+        # A pairing whose KV a decode found not to be its own, by what it
+        # computed, pairs no more until cleared (statemachine/quarantine.py).
+        if self.quarantine:
+            check_quarantine(self.quarantine, layout.fingerprint, record.remote_fingerprint)
         # Blocks meant for other KV (another prompt, adapter or input, or
         # other positions of it) are never written: the blocks' content
         # hashes must agree with the pairing the trim is about to make.
@@ -570,6 +591,113 @@ class Registry:
             src_before=tuple(len(ids) for ids in record.blocks),
             dst_before=tuple(len(ids) for ids in record.remote_blocks),
         )
+
+    # ------------------------------------------------------------- behaviour
+
+    def find_landed(self, request_id: str, incarnation: int) -> Landed | None:
+        """A transfer that may have moved KV, live or recently released, of exactly this
+        incarnation (statemachine/quarantine.py ``moved_kv``); None if unknown here."""
+        record = self.live.get(request_id)
+        if record is not None and record.incarnation == incarnation:
+            if not moved_kv(record):
+                return None
+            layout = self.engines.get(record.engine_id)
+            return landed(record, layout.fingerprint if layout is not None else None)
+        found = self.recent.get(request_id)
+        return found if found is not None and found.incarnation == incarnation else None
+
+    def check_kv_mismatch(
+        self,
+        request_id: str,
+        incarnation: int,
+        *,
+        layer: int,
+        position: int,
+        difference: float,
+        tolerance: float,
+        detail: str = "",
+    ) -> tuple[KvMismatch, Landed]:
+        """A decode engine's report that a load's KV is not its own: the receiver's record.
+
+        The receiver may be released (a late report); it must have been a
+        receiver here whose data landed. Raises :class:`Refusal` otherwise.
+        """
+        found = self.find_landed(request_id, incarnation)
+        if found is None:
+            raise Refusal(
+                Reason.UNKNOWN_REQUEST,
+                f"kv_mismatch for {request_id}#{incarnation}: no receiver of that id is live "
+                f"or recently released on this node",
+            )
+        if found.role is not RECEIVER:
+            raise Refusal(
+                Reason.ROLE_MISMATCH,
+                f"kv_mismatch for {request_id}#{incarnation}: it is a pusher on this node, "
+                "only a decode engine reports what it loaded",
+            )
+        record = self.live.get(request_id)
+        if record is not None and record.incarnation == incarnation and record.state is not DONE:
+            raise IllegalTransition(
+                f"kv_mismatch for {request_id}#{incarnation}: no KV landed for it "
+                f"(state {record.state.value})"
+            )
+        if difference <= tolerance:
+            raise Refusal(
+                Reason.ILLEGAL_TRANSITION,
+                f"kv_mismatch for {request_id}#{incarnation}: the difference {difference:.6g} "
+                f"is within the tolerance {tolerance:.6g}",
+            )
+        event = KvMismatch(
+            request_id, incarnation, RECEIVER, found.engine_id, found.peer, "", layer, position,
+            difference, tolerance, detail, None, found.fingerprint,
+        )  # fmt: skip
+        return event, found
+
+    def check_peer_kv_mismatch(
+        self,
+        node: str,
+        request_id: str,
+        incarnation: int,
+        decode_engine: str,
+        *,
+        layer: int,
+        position: int,
+        difference: float,
+        tolerance: float,
+        detail: str = "",
+    ) -> KvMismatch:
+        """The decode daemon ``node`` reports that what this node pushed was not its engine's KV.
+
+        The pusher's record, naming both fingerprints: the pairing it quarantines.
+        """
+        found = self.find_landed(request_id, incarnation)
+        if found is None or found.role is not PUSHER or found.peer != node:
+            raise Refusal(
+                Reason.UNKNOWN_REQUEST,
+                f"kv_mismatch from {node} for {request_id}#{incarnation}: this node pushed no "
+                "such request to it (or released it long ago)",
+            )
+        return KvMismatch(
+            request_id, incarnation, PUSHER, found.engine_id, node,
+            decode_engine or found.remote_engine, layer, position, difference, tolerance,
+            detail, found.fingerprint, found.remote_fingerprint,
+        )  # fmt: skip
+
+    def check_clear(self, ids: Sequence[str], every: bool = False) -> list[QuarantineCleared]:
+        """An operator's clear of the quarantined pairings ``ids`` (or of all: ``every``)."""
+        by_id = {entry.id: entry for entry in self.quarantine.values()}
+        unknown = [i for i in ids if i not in by_id]
+        if unknown:
+            raise Refusal(
+                Reason.UNKNOWN_REQUEST,
+                f"no quarantined pairing {', '.join(unknown)} here "
+                f"(quarantined: {', '.join(sorted(by_id)) or 'none'})",
+            )
+        chosen = list(by_id) if every else list(dict.fromkeys(ids))
+        return [
+            QuarantineCleared(by_id[i].prefill_fingerprint, by_id[i].decode_fingerprint, i)
+            for i in chosen
+        ]
 
     # The rules below are the reactions table's (statemachine/reactions.py);
     # these look the request up first, as the engine's calls do.
@@ -694,6 +822,17 @@ class Registry:
     def _apply_nothing(self, event: Event, ts: float) -> None:
         return None
 
+    def _apply_kv_mismatch(self, event: KvMismatch, ts: float) -> None:
+        key = pairing_key(event.prefill_fingerprint, event.decode_fingerprint)
+        quarantined = quarantined_by(event, ts, self.quarantine.get(key))
+        if quarantined is not None:
+            self.quarantine[quarantined[0]] = quarantined[1]
+        return None
+
+    def _apply_quarantine_cleared(self, event: QuarantineCleared, ts: float) -> None:
+        self.quarantine.pop(pairing_key(event.prefill_fingerprint, event.decode_fingerprint), None)
+        return None
+
     def _claim(self, record: RequestRecord) -> None:
         owned, engine_id, request_id = self._owners, record.engine_id, record.request_id
         pools = self._pools(engine_id)
@@ -737,6 +876,10 @@ class Registry:
                     if not owners:
                         del owned[key]
         self.tombstones.add(record.request_id, record.incarnation)
+        if moved_kv(record):
+            # A decode engine may report on it after the release (kv_mismatch).
+            layout = self.engines.get(record.engine_id)
+            self.recent.add(landed(record, layout.fingerprint if layout is not None else None))
 
     # -------------------------------------------------------------- snapshots
 
@@ -748,6 +891,7 @@ class Registry:
             pending=tuple(self.pending.values()),
             tombstones=tuple(self.tombstones),
             offload=tuple(self._granted.items()),
+            quarantine=tuple(self.quarantine.values()),
         )
 
     @classmethod
@@ -762,6 +906,9 @@ class Registry:
         registry.engines = {layout.engine_id: layout for layout in snap.engines}
         registry.pending = {p.registration.request_id: p for p in snap.pending}
         registry.tombstones = Tombstones(tombstone_limit, snap.tombstones)
+        registry.quarantine = {
+            pairing_key(q.prefill_fingerprint, q.decode_fingerprint): q for q in snap.quarantine
+        }
         for record in snap.live:
             registry.live[record.request_id] = record
             if record.role is RECEIVER:
@@ -793,4 +940,6 @@ _HANDLERS: dict[type, Callable[[Registry, Any, float], RequestRecord | None]] = 
     EngineDetached: Registry._apply_detached,
     DaemonStarted: Registry._apply_nothing,
     Refused: Registry._apply_nothing,
+    KvMismatch: Registry._apply_kv_mismatch,
+    QuarantineCleared: Registry._apply_quarantine_cleared,
 }

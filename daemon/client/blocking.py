@@ -152,6 +152,31 @@ class BlockingEngineClient:
     ) -> rpc.Ok | rpc.Deferred:
         return self._run(self.client.abort(request_id, incarnation, timeout=timeout))
 
+    def kv_mismatch(
+        self,
+        request_id: str,
+        *,
+        layer: int,
+        position: int,
+        difference: float,
+        tolerance: float,
+        detail: str = "",
+        incarnation: int = 1,
+        timeout: float | None = None,
+    ) -> rpc.Ok:
+        return self._run(
+            self.client.kv_mismatch(
+                request_id,
+                layer=layer,
+                position=position,
+                difference=difference,
+                tolerance=tolerance,
+                detail=detail,
+                incarnation=incarnation,
+                timeout=timeout,
+            )
+        )
+
     def status(self, *, timeout: float | None = None) -> dict[str, Any]:
         return self._run(self.client.status(timeout=timeout))
 

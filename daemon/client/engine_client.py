@@ -345,6 +345,34 @@ class EngineClient:
         )  # fmt: skip
         return await self._call(request, rpc.Ok, timeout)
 
+    async def kv_mismatch(
+        self,
+        request_id: str,
+        *,
+        layer: int,
+        position: int,
+        difference: float,
+        tolerance: float,
+        detail: str = "",
+        incarnation: int = 1,
+        timeout: float | None = None,
+    ) -> rpc.Ok:
+        """Decode side: a load's KV is not this engine's (its own K/V of the recomputed token
+        at ``position``, ``layer``, differs from the pushed by ``difference`` > ``tolerance``).
+
+        ``request_id``/``incarnation``: the receiver as registered (it may be
+        released already). Both daemons journal ``kv_mismatch`` and the
+        prefill daemon quarantines the pairing of the two engines'
+        fingerprints. :class:`RpcError` for a request the daemon has no
+        receiver of (``unknown_request``) or ``bad_request`` for values out
+        of range (schemas/rpc.py ``KvMismatch``).
+        """
+        request = rpc.KvMismatch(
+            self._next_id(), request_id=request_id, layer=layer, position=position,
+            difference=difference, tolerance=tolerance, detail=detail, incarnation=incarnation,
+        )  # fmt: skip
+        return await self._call(request, rpc.Ok, timeout)
+
     async def status(self, *, timeout: float | None = None) -> dict[str, Any]:
         """The daemon's status document (:class:`schemas.status.StatusDocument`), as a dict."""
         reply = await self._call(rpc.Status(self._next_id()), rpc.StatusReply, timeout)

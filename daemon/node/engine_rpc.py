@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import structlog
 
 from daemon.journal.format import MAX_RECORD_BYTES, JournalFatal
 from daemon.node.engine_state import EngineSession
@@ -38,6 +39,7 @@ from schemas.state import State
 from statemachine import Refusal
 from statemachine.reactions import Cause, Stimulus, react
 
+log = structlog.get_logger("kvpushd.node")
 PUSHER, RECEIVER = Role.PUSHER, Role.RECEIVER
 # An engine call's handler: the engine server calls it with the connection it came on.
 Handler = Callable[[EngineSession, Any], Awaitable[rpc.Reply]]
@@ -98,6 +100,9 @@ class EngineRpc:
             rpc.Release: self.release,
             rpc.Abort: self.abort,
             rpc.Hold: self.hold,
+            rpc.KvMismatch: self.kv_mismatch,
+            rpc.QuarantineList: self.quarantine_list,
+            rpc.QuarantineClear: self.quarantine_clear,
         }
 
     async def register_engine(self, session: EngineSession, req: rpc.RegisterEngine) -> rpc.Reply:
@@ -269,6 +274,56 @@ class EngineRpc:
         if not self._port.tell(req.peer, pm.Hold(req.request_id, req.incarnation)):
             raise Refusal(Reason.PEER_DEAD, f"peer {req.peer!r} is not connected")
         return Admitted(rpc.Ok(req.id), ())
+
+    async def kv_mismatch(self, session: EngineSession, req: rpc.KvMismatch) -> rpc.Reply:
+        """A decode engine found a load's KV is not its own: journal it, tell the prefill daemon.
+
+        The receiver may be released already; the core remembers the last
+        released ones (``Registry.find_landed``). Journaled here first, then
+        the prefill daemon hears of it (``peer.KvMismatch``) and quarantines
+        the pairing there (statemachine/quarantine.py).
+        """
+        event, found = self._ledger.registry.check_kv_mismatch(
+            req.request_id,
+            req.incarnation,
+            layer=req.layer,
+            position=req.position,
+            difference=req.difference,
+            tolerance=req.tolerance,
+            detail=req.detail,
+        )
+        self._engines.own(session, found.engine_id)
+        await self._ledger.commit([event], Cause.ENGINE)
+        told = self._port.tell(
+            found.peer,
+            pm.KvMismatch(
+                req.request_id, req.incarnation, found.engine_id, req.layer, req.position,
+                req.difference, req.tolerance, req.detail,
+            ),
+        )  # fmt: skip
+        if not told:
+            # Journaled here; the prefill daemon cannot quarantine what it
+            # never hears of: say so where an operator looks.
+            log.warning(
+                "kv mismatch not told to its prefill daemon: no link",
+                request_id=req.request_id,
+                peer=found.peer,
+            )
+        return rpc.Ok(req.id)
+
+    async def quarantine_list(self, session: EngineSession, req: rpc.QuarantineList) -> rpc.Reply:
+        return rpc.QuarantineReply(req.id, tuple(self._ledger.registry.quarantine.values()))
+
+    async def quarantine_clear(self, session: EngineSession, req: rpc.QuarantineClear) -> rpc.Reply:
+        """An operator ends quarantines (``kvpushd quarantine clear``), journaled for replay."""
+        registry = self._ledger.registry
+        cleared = registry.check_clear(req.ids, req.every)
+        if cleared:
+            await self._ledger.commit(cleared, Cause.ENGINE)
+        ids = tuple(event.quarantine_id for event in cleared)
+        if ids:
+            log.warning("quarantine cleared", ids=list(ids))
+        return rpc.QuarantineReply(req.id, tuple(registry.quarantine.values()), ids)
 
     def refuse(self, request: Any, refusal: Refusal) -> Commit | None:
         """Append a refused engine request's ``Refused``; None if the journal failed."""

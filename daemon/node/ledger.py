@@ -37,6 +37,7 @@ from schemas.events import (
     FORMAT_VERSION,
     Event,
     Failed,
+    KvMismatch,
     Record,
     Refused,
     RequestEvent,
@@ -49,7 +50,7 @@ from statemachine.reactions import Cause, Stimulus, Why, react, release_may_be_d
 
 log = structlog.get_logger("kvpushd.node")
 # Events logged at info or above whatever the level (the rest only at debug).
-_LOGGED = frozenset({Failed, Refused})
+_LOGGED = frozenset({Failed, Refused, KvMismatch})
 
 
 class Courier(Protocol):
@@ -280,7 +281,25 @@ class Ledger:
         request_id = getattr(event, "request_id", None)
         if request_id is None:
             return
-        if isinstance(event, Failed | Refused):
+        if isinstance(event, KvMismatch):
+            # One line per node: the decode's (its engine's report) and the
+            # prefill's (the pairing it quarantines).
+            self._log.warning(
+                "kv mismatch",
+                request_id=request_id,
+                incarnation=event.incarnation,
+                role=event.role.value,
+                engine=event.engine_id,
+                peer=event.peer,
+                peer_engine=event.peer_engine,
+                layer=event.layer,
+                position=event.position,
+                difference=event.difference,
+                tolerance=event.tolerance,
+                detail=event.detail,
+                seq=seq,
+            )
+        elif isinstance(event, Failed | Refused):
             self._log.warning(
                 "request failed" if isinstance(event, Failed) else "request refused",
                 request_id=request_id,

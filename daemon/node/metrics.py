@@ -43,6 +43,8 @@ from schemas.events import (
     Event,
     Failed,
     IntegrityMismatch,
+    KvMismatch,
+    QuarantineCleared,
     Refused,
     Released,
     WriteDone,
@@ -163,6 +165,16 @@ class NodeMetrics:
             "Receiver requests whose landed blocks differ from the pusher's checksums "
             "(IntegrityMismatch; each fails integrity_mismatch).",
         )
+        kv_mismatches = c(
+            "kv_mismatches",
+            "Loads whose KV a decode engine found not its own by recomputing a token "
+            "(KvMismatch; receiver: reported here; pusher: pushed from here, pairing quarantined).",
+            ["role"],
+        )
+        self._kv_mismatches = {role: kv_mismatches.labels(role.value) for role in Role}
+        self.quarantines_cleared = c(
+            "quarantines_cleared", "Quarantined pairings an operator cleared (QuarantineCleared)."
+        )
         refusals = c("refusals", "Journaled refusals (Refused events).", ["reason"])
         failures = c("failures", "Requests failed (Failed events).", ["reason"])
         appends = c("journal_appends", "Journal records appended, by event.", ["event"])
@@ -204,6 +216,10 @@ class NodeMetrics:
             self._failures[event.reason].inc()
         elif isinstance(event, IntegrityMismatch):
             self.integrity_mismatches.inc()
+        elif isinstance(event, KvMismatch):
+            self._kv_mismatches[event.role].inc()
+        elif isinstance(event, QuarantineCleared):
+            self.quarantines_cleared.inc()
         if isinstance(touched, RequestRecord):
             self._track(event, touched, ts)
 

@@ -373,6 +373,24 @@ class Peers:
         if record is not None:
             await self._ledger.react(record, stimulus, why)
 
+    async def _on_kv_mismatch(self, node: str, msg: pm.KvMismatch) -> None:
+        # The decode engine found what this node pushed is not its KV: the
+        # pusher's record names both fingerprints, which quarantines the
+        # pairing (statemachine/quarantine.py). An unknown one is refused
+        # (logged by peer_message), nothing journaled.
+        event = self._ledger.registry.check_peer_kv_mismatch(
+            node,
+            msg.request_id,
+            msg.incarnation,
+            msg.engine_id,
+            layer=msg.layer,
+            position=msg.position,
+            difference=msg.difference,
+            tolerance=msg.tolerance,
+            detail=msg.detail,
+        )
+        await self._ledger.commit([event], Cause.PEER, peer=node)
+
     async def _on_engines(self, node: str, msg: pm.Engines) -> None:
         await self.peer_engines(node, msg.engines, msg.agent_metadata)
 
@@ -390,4 +408,5 @@ _HANDLERS: dict[type, Callable[[Peers, str, Any], Awaitable[None]]] = {
     pm.WriteFailed: Peers._on_write_failed,
     pm.Engines: Peers._on_engines,
     pm.Digests: Peers._on_digests,
+    pm.KvMismatch: Peers._on_kv_mismatch,
 }

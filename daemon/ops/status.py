@@ -54,6 +54,19 @@ def socket_path(args: argparse.Namespace) -> str:
 
 def fetch_status(path: str, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
     """One Status round trip; raises NotRunning or StatusUnavailable."""
+    reply = ask(path, rpc.Status(id=1), timeout)
+    if not isinstance(reply, rpc.StatusReply):
+        raise StatusUnavailable(f"{path}: unexpected reply {type(reply).__name__}")
+    document: dict[str, Any] = msgspec.to_builtins(reply.status)
+    return document
+
+
+def ask(path: str, request: rpc.Request, timeout: float = DEFAULT_TIMEOUT_S) -> rpc.Reply:
+    """One operator request's round trip (``kvpushd status``, ``kvpushd quarantine``).
+
+    Raises NotRunning, or StatusUnavailable (with the daemon's code and
+    message for an ``Error`` reply).
+    """
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         try:
@@ -63,7 +76,7 @@ def fetch_status(path: str, timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any
         except OSError as exc:
             raise StatusUnavailable(f"cannot connect to {path}: {exc.strerror or exc}") from exc
         try:
-            sock.sendall(FrameEncoder().encode(rpc.Status(id=1)))
+            sock.sendall(FrameEncoder().encode(request))
             length = int.from_bytes(_recv_exact(sock, PREFIX_BYTES), "big")
             if not 0 < length <= MAX_REPLY_BYTES:
                 raise StatusUnavailable(f"{path}: implausible reply length {length}")
@@ -86,17 +99,16 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(data)
 
 
-def _decode_reply(path: str, body: bytes) -> dict[str, Any]:
+def _decode_reply(path: str, body: bytes) -> rpc.Reply:
     try:
         reply = msgspec.msgpack.decode(body, type=rpc.ServerMessage)
     except msgspec.DecodeError as exc:
         raise StatusUnavailable(f"{path}: undecodable reply: {exc}") from exc
     if isinstance(reply, rpc.Error):
         raise StatusUnavailable(f"{path}: {reply.code}: {reply.message}")
-    if not isinstance(reply, rpc.StatusReply):
-        raise StatusUnavailable(f"{path}: unexpected reply {type(reply).__name__}")
-    document: dict[str, Any] = msgspec.to_builtins(reply.status)
-    return document
+    if not isinstance(reply, rpc.Reply):
+        raise StatusUnavailable(f"{path}: unexpected message {type(reply).__name__}")
+    return reply
 
 
 # ----------------------------------------------------------------- rendering

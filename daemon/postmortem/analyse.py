@@ -25,6 +25,7 @@ from daemon.postmortem.vocab import (
     K_DAEMON_STARTED,
     K_FAILED,
     K_INTEGRITY_MISMATCH,
+    K_KV_MISMATCH,
     K_REFUSED,
     KIND_NAMES,
     ROLE_NAMES,
@@ -37,7 +38,7 @@ from daemon.postmortem.vocab import (
     IntArray,
     RequestKey,
 )
-from schemas.events import DaemonStarted, IntegrityMismatch
+from schemas.events import DaemonStarted, IntegrityMismatch, KvMismatch
 from schemas.reasons import Reason
 from statemachine.ranks import transfer_of
 
@@ -119,6 +120,29 @@ class Mismatch:
     checked: int
     mismatched: int
     blocks: tuple[tuple[int, int, int], ...]  # (group, layer, block), the first listed
+
+
+@dataclass(frozen=True, slots=True)
+class BehaviourMismatch:
+    """A KvMismatch: a decode engine recomputed a loaded token and its K/V differed.
+
+    Journaled on both nodes (``role`` receiver on the decode's, pusher on the
+    prefill's, which quarantined the pairing), after the request may have
+    ended as done on both: the load was not this engine's KV.
+    """
+
+    key: RequestKey
+    node: str
+    at: float
+    role: str
+    engine: str
+    peer: str
+    peer_engine: str
+    layer: int
+    position: int
+    difference: float
+    tolerance: float
+    detail: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +270,7 @@ class Analysis:
     disagreements: list[Disagreement]
     split_transfers: list[SplitTransfer]
     mismatches: list[Mismatch]
+    kv_mismatches: list[BehaviourMismatch]
     slowest: list[Transition]  # the daemons' time: every transition but done->released
     longest_holds: list[Transition]  # done->released: the engine held its blocks
     latency: list[LatencyRow]
@@ -277,6 +302,7 @@ def analyse(merged: Merged, filters: Filters | None = None, *, top: int = 10) ->
         disagreements=_disagreements(merged, selected),
         split_transfers=_split_transfers(merged, selected),
         mismatches=_mismatches(merged, mask),
+        kv_mismatches=_kv_mismatches(merged, mask),
         slowest=_slowest(merged, table, mask, top, engine_hold=False),
         longest_holds=_slowest(merged, table, mask, top, engine_hold=True),
         latency=_latency(merged, table, mask),
@@ -425,6 +451,33 @@ def _split_transfers(merged: Merged, selected: IntArray) -> list[SplitTransfer]:
 def _share_outcome(summary: RequestSummary) -> str:
     reasons = sorted({side.reason for side in summary.sides if side.reason})
     return summary.outcome + (f" ({', '.join(reasons)})" if reasons else "")
+
+
+def _kv_mismatches(merged: Merged, mask: npt.NDArray[np.bool_]) -> list[BehaviourMismatch]:
+    rows = []
+    picks = np.flatnonzero((merged.step_kind == K_KV_MISMATCH) & mask[merged.step_req])
+    for j in picks.tolist():
+        n = int(merged.step_node[j])
+        event = merged.nodes[n].event(int(merged.step_local[j]))
+        assert isinstance(event, KvMismatch)  # kept: vocab's KEEP lists hold it
+        rows.append(
+            BehaviourMismatch(
+                merged.keys[int(merged.step_req[j])],
+                merged.names[n],
+                float(merged.step_ts[j]),
+                event.role.value,
+                event.engine_id,
+                event.peer,
+                event.peer_engine,
+                event.layer,
+                event.position,
+                event.difference,
+                event.tolerance,
+                event.detail,
+            )
+        )
+    rows.sort(key=lambda m: m.at)
+    return rows
 
 
 def _mismatches(merged: Merged, mask: npt.NDArray[np.bool_]) -> list[Mismatch]:

@@ -47,6 +47,7 @@ from schemas.events import (
     Event,
     Failed,
     IntegrityMismatch,
+    KvMismatch,
     KvReady,
     Record,
     Refused,
@@ -69,7 +70,8 @@ _KEEP: Final[tuple[bool, ...]] = tuple(
 # alone when no timeline will be drawn, which spares the fold a third of its
 # bookkeeping.
 _KEEP_FOR_ANALYSIS: Final[tuple[bool, ...]] = tuple(
-    kind in (DaemonStarted, Registered, Failed, Refused, IntegrityMismatch) for kind in KINDS
+    kind in (DaemonStarted, Registered, Failed, Refused, IntegrityMismatch, KvMismatch)
+    for kind in KINDS
 )
 _Int = TypeVar("_Int", bound=np.integer[Any])
 _event_encoder = msgspec.msgpack.Encoder()

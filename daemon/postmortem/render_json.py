@@ -67,6 +67,7 @@ def replay_json(analysis: Analysis) -> dict[str, Any]:
         "disagreements": [_jsonable(d) for d in analysis.disagreements],
         "split_transfers": [_jsonable(t) for t in analysis.split_transfers],
         "integrity_mismatches": [_jsonable(m) for m in analysis.mismatches],
+        "kv_mismatches": [_jsonable(m) for m in analysis.kv_mismatches],
         "slowest_transitions": [_jsonable(t) for t in analysis.slowest],
         "longest_engine_holds": [_jsonable(t) for t in analysis.longest_holds],
         "latency": [_jsonable(row) for row in analysis.latency],

@@ -109,6 +109,28 @@ def render_replay(analysis: Analysis, out: TextIO, *, limit: int = 20) -> None:
         ],
         more,
     )
+    kv_bad, more = _limited(analysis.kv_mismatches, limit)
+    _section(
+        w,
+        "kv mismatches (a decode recomputed a loaded token: its K/V differed; pairing quarantined)",
+        ["request", "node", "at", "role", "engine", "peer", "layer", "position", "diff", "tol"],
+        [
+            (
+                key_text(m.key),
+                m.node,
+                format_time(m.at),
+                m.role,
+                m.engine,
+                f"{m.peer}/{m.peer_engine}" if m.peer_engine else m.peer,
+                m.layer,
+                m.position,
+                f"{m.difference:.4g}",
+                f"{m.tolerance:.4g}",
+            )
+            for m in kv_bad
+        ],
+        more,
+    )
     _section(
         w,
         "slowest transitions (daemon time; engine holds below)",

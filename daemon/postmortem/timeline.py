@@ -18,6 +18,7 @@ from daemon.postmortem.vocab import (
 from schemas.events import (
     Event,
     Failed,
+    KvMismatch,
     PeerRegistered,
     PeerSettled,
     Refused,
@@ -77,6 +78,17 @@ def _describe(event: Event | None) -> tuple[str, int | None, str]:
         return "", None, f"{event.reason.value}: {event.message}{settled}"
     if type(event) is Refused:
         return "", None, f"refused {event.reason.value}: {event.message}"
+    if type(event) is KvMismatch:
+        peer = f"{event.peer}/{event.peer_engine}" if event.peer_engine else event.peer
+        return (
+            "",
+            None,
+            (
+                f"kv mismatch ({event.role.value}, engine {event.engine_id}, peer {peer}): layer "
+                f"{event.layer} position {event.position} differs by {event.difference:.4g} > "
+                f"{event.tolerance:.4g}" + (f" ({event.detail})" if event.detail else "")
+            ),
+        )
     if type(event) is PeerSettled:
         return (
             "",

@@ -17,6 +17,7 @@ from schemas.events import (
     Event,
     Failed,
     IntegrityMismatch,
+    KvMismatch,
     PeerRegistered,
     Refused,
     Registered,
@@ -47,6 +48,7 @@ K_WRITE_DONE: Final = KIND_CODE[WriteDone]
 K_FAILED: Final = KIND_CODE[Failed]
 K_REFUSED: Final = KIND_CODE[Refused]
 K_INTEGRITY_MISMATCH: Final = KIND_CODE[IntegrityMismatch]
+K_KV_MISMATCH: Final = KIND_CODE[KvMismatch]
 FIRST_REQUEST_KIND: Final = sum("request_id" not in k.__struct_fields__ for k in KINDS)
 
 # States, ordered from least to most advanced: "the least advanced side"

@@ -238,6 +238,31 @@ class DaemonCalls:
         except (ClientError, RuntimeError) as exc:
             log.info("kvpushd: hold of %s: %s", share.transfer_id, exc)
 
+    async def mismatch(
+        self,
+        transfer_id: str,
+        layer: int,
+        position: int,
+        difference: float,
+        tolerance: float,
+        detail: str = "",
+    ) -> None:
+        """Report that a load's KV is not this engine's (the worker spawns it on the link).
+
+        ``transfer_id``: the receiver's daemon request id (the share's, as
+        registered; it may be released). Best effort, one log line either
+        way: the load's own outcome is the worker's, not this call's. Numbers
+        are taken as Python ints and floats (a tensor's item, say).
+        """
+        try:
+            await self.link.client().kv_mismatch(
+                transfer_id, layer=int(layer), position=int(position),
+                difference=float(difference), tolerance=float(tolerance), detail=detail[:256],
+                timeout=CALL_TIMEOUT_S,
+            )  # fmt: skip
+        except (ClientError, RuntimeError) as exc:
+            log.warning("kvpushd: kv_mismatch report of %s not taken: %s", transfer_id, exc)
+
     async def _ask_again(self, spec: PushSpec | ReceiveSpec, client: EngineClient) -> None:
         """A registration whose answer was lost with a connection to a daemon that lived.
 
