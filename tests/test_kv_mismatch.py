@@ -169,6 +169,14 @@ async def test_a_mismatch_is_journaled_on_both_nodes_and_quarantines_the_pairing
     _restart(prefill, decode)
     assert _quarantine(prefill, capsys, "list")["quarantined"] == []
     assert main(["quarantine", "clear", qid, "--socket", prefill.socket]) == 4  # gone: refused
+    # The journal tools read the new records.
+    capsys.readouterr()
+    assert main(["journal", "show", str(prefill.journal)]) == 0
+    shown = capsys.readouterr().out
+    assert "KvMismatch  request_id=mm-1" in shown and f"quarantine_id={qid}" in shown
+    assert main(["journal", "replay", str(prefill.journal), str(decode.journal)]) == 0
+    replayed = capsys.readouterr().out
+    assert "kv mismatches" in replayed and "mm-1" in replayed
 
 
 async def test_a_report_the_daemon_cannot_place_is_refused_and_it_keeps_serving(pair) -> None:
