@@ -13,7 +13,7 @@ older than the fingerprint) pairs only with another that declares nothing.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Annotated, Final
 
 import msgspec
 
@@ -24,6 +24,20 @@ import msgspec
 # 4: registrations name each block's content hash (statemachine/content.py),
 #    and a prefill pushes only its prompt's blocks.
 CONNECTOR_PROTOCOL: Final = 4
+
+# Bounds on every field, checked wherever a fingerprint is decoded (an
+# engine's Hello, a peer's forward, the journal, a client's
+# kv_transfer_params through the connector): a fingerprint a client forged
+# is refused as unreadable, never met by arithmetic (a TP size of 0) or by
+# a string of any length. Each bound is far above any real engine's.
+MAX_RANKS: Final = 256  # TP or PP ranks of one instance
+MAX_NAME: Final = 16384  # a model path or id, a layout naming every KV cache group
+MAX_WORD: Final = 256  # a revision, a dtype, an engine's version, a digest
+MAX_COUNT: Final = 1 << 20  # tokens per block, layers, heads, a head's size, a protocol
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
+Word = Annotated[str, msgspec.Meta(max_length=MAX_WORD)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+Ranks = Annotated[int, msgspec.Meta(ge=1, le=MAX_RANKS)]
 
 
 class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -41,28 +55,28 @@ class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_
     (``CONNECTOR_PROTOCOL``).
     """
 
-    model: str
-    revision: str = ""
-    dtype: str = ""
-    kv_cache_dtype: str = ""
-    block_size: int = 0
-    num_layers: int = 0
-    num_kv_heads: int = 0
-    head_size: int = 0
-    kv_layout: str = ""
-    tp_size: int = 1
-    pp_size: int = 1
-    engine: str = ""
-    protocol: int = 0
+    model: Name
+    revision: Word = ""
+    dtype: Word = ""
+    kv_cache_dtype: Word = ""
+    block_size: Count = 0
+    num_layers: Count = 0
+    num_kv_heads: Count = 0
+    head_size: Count = 0
+    kv_layout: Name = ""
+    tp_size: Ranks = 1
+    pp_size: Ranks = 1
+    engine: Word = ""
+    protocol: Count = 0
     # Last, with a default: fingerprints journaled before it decode unchanged.
-    kv_head_range: tuple[int, int] = (0, 0)
-    layer_range: tuple[int, int] = (0, 0)
+    kv_head_range: tuple[Count, Count] = (0, 0)
+    layer_range: tuple[Count, Count] = (0, 0)
     # What else changes the KV of the same weights: their quantization
     # method, a digest of config overrides (vLLM's ``hf_overrides``), and a
     # speculative method whose draft layers keep KV of their own.
-    quantization: str = ""
-    overrides: str = ""
-    speculative: str = ""
+    quantization: Word = ""
+    overrides: Word = ""
+    speculative: Name = ""
 
     @property
     def names_heads(self) -> bool:

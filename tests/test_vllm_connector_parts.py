@@ -11,6 +11,8 @@ protocol a router carries between the two legs.
 
 from __future__ import annotations
 
+import pickle
+
 import msgspec
 import pytest
 from hypothesis import given
@@ -19,16 +21,19 @@ from hypothesis import strategies as st
 from daemon.client.vllm.layout import rank_fingerprint, rank_map_problem, split_tp
 from daemon.client.vllm.loads import Load
 from daemon.client.vllm.params import (
+    LOCAL,
     PARAMS_VERSION,
     Dispatched,
     PrefillAnswer,
     adopt_dispatch,
+    bound_params,
     read_leg,
     receive_spec,
     router_transfer_id,
 )
 from daemon.client.vllm.shares import RankPlan, holds_run
 from daemon.client.vllm.specs import PushSpec, ReceiveSpec, per_group
+from harness.hostile_params import MEGABYTE, deep, json_like, made
 from schemas.fingerprint import Fingerprint
 from schemas.kvlayout import GroupSpec, LayerSpec
 from schemas.layout import GroupKind
@@ -293,3 +298,41 @@ def test_a_dispatch_leg_becomes_the_fields_the_decode_reads() -> None:
     spec = receive_spec("r", leg, ())
     assert (spec.transfer_id, spec.peer_address, spec.source_ranks) == ("t1", "h:9", 2)
     assert router_transfer_id({"transfer_id": "x" * 201}) is None
+
+
+@given(json_like())
+def test_bounded_params_keep_what_reads_and_only_plain_small_json_beside_it(drawn: object) -> None:
+    """What the connector puts in place of a client's params (vLLM pickles them with its step)."""
+    params = made(drawn)
+    kept, dropped, unread = bound_params(params)
+    # Shallow and small whatever came: pickled at the default recursion limit.
+    assert len(pickle.dumps(kept)) < 256 << 10
+    if not isinstance(params, dict):
+        assert kept == LOCAL and unread
+        return
+    assert set(kept) <= set(params) and len(dropped) == len(params) - len(kept)
+    for key, value in kept.items():
+        assert key.startswith(("kvpushd_", "do_remote_")) or value is params[key] or value is None
+
+
+@pytest.mark.parametrize("where", ["kvpushd_fingerprint", "remote_block_ids", "anything"])
+def test_a_deep_dict_or_a_megabyte_anywhere_in_the_params_is_dropped_by_name(where: str) -> None:
+    answer = _answer(_instance(1, 4)).to_params()
+    for hostile in (deep(), MEGABYTE):
+        kept, dropped, unread = bound_params({**answer, where: hostile})
+        assert where not in kept and len(dropped) == 1 and dropped[0].startswith(repr(where))
+        assert unread is (where == "kvpushd_fingerprint")
+        pickle.dumps(kept)
+
+
+@pytest.mark.parametrize(
+    "field", ["tp_size", "pp_size", "block_size", "num_layers", "head_size", "kv_head_range"]
+)
+def test_a_fingerprint_with_a_size_out_of_its_bounds_does_not_read(field: str) -> None:
+    """A TP size of 0 once reached ``decode_tp % prefill_tp`` inside vLLM's scheduler."""
+    answer = _answer(_instance(1, 4)).to_params()
+    bad = [-1, 2] if field == "kv_head_range" else 0 if field.endswith("p_size") else -1
+    for value in (bad, 2**40, "2"):
+        answer["kvpushd_fingerprint"] = {**answer["kvpushd_fingerprint"], field: value}
+        assert isinstance(read_leg(answer), str)
+        assert bound_params(answer).unread

@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from daemon.client.vllm import stats as vs
+from daemon.client.vllm.guard import Swallowed, bound
 from daemon.client.vllm.layout import check_supported, fingerprint, group_states, group_windows
 from daemon.client.vllm.metadata import KvpushdConnectorMetadata
 from daemon.client.vllm.scheduler import HOLD_EVERY_S, SchedulerSide
@@ -116,15 +117,22 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ------------------------------------------------------------- scheduler
 
+    # Each call vLLM's scheduler makes goes through guard.py: nothing a
+    # request sends, and no error of the connector's, reaches vLLM.
+
     def on_new_request(self, request: Request) -> None:
         assert self._scheduler is not None
-        self._scheduler.new_request(request)
+        with Swallowed(self._scheduler, "on_new_request", request):
+            bound(request, self._scheduler)  # first: the params vLLM pickles, bounded
+            self._scheduler.new_request(request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        return self._scheduler.matched_tokens(request, num_computed_tokens)
+        with Swallowed(self._scheduler, "get_num_new_matched_tokens", request):
+            return self._scheduler.matched_tokens(request, num_computed_tokens)
+        return 0, False
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         # With recurrent state a load moves the request's own blocks of every
@@ -139,29 +147,38 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self._scheduler is not None
-        self._scheduler.after_alloc(request, blocks, num_external_tokens)
+        with Swallowed(self._scheduler, "update_state_after_alloc", request) as swallowed:
+            self._scheduler.after_alloc(request, blocks, num_external_tokens)
+        if swallowed.caught and num_external_tokens > 0:
+            # vLLM waits for this load: it ends failed, and vLLM recomputes it.
+            self._scheduler.unload(request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.take_metadata()
+        with Swallowed(self._scheduler, "build_connector_meta"):
+            return self._scheduler.take_metadata()
+        return self._scheduler.salvage()
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        assert self._scheduler is not None
-        return self._scheduler.finished(request, (block_ids,))
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        return self._scheduler.finished(request, block_ids)
+        with Swallowed(self._scheduler, "request_finished", request):
+            return self._scheduler.finished(request, block_ids)
+        return False, None
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._scheduler is not None:
-            self._scheduler.sent(
-                connector_output.finished_sending or (), connector_output.finished_recving or ()
-            )
+            with Swallowed(self._scheduler, "update_connector_output"):
+                self._scheduler.sent(
+                    connector_output.finished_sending or (),
+                    connector_output.finished_recving or (),
+                )
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.pushing()

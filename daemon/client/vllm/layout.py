@@ -30,7 +30,7 @@ from typing import Any, Final
 
 import msgspec
 
-from schemas.fingerprint import CONNECTOR_PROTOCOL, Fingerprint
+from schemas.fingerprint import CONNECTOR_PROTOCOL, MAX_RANKS, Fingerprint
 from statemachine.ranks import (
     UnmappableRanks,
     head_sources,
@@ -54,9 +54,6 @@ SINGLE_RANK_SETTINGS: Final = (
     ("decode_context_parallel_size", "--decode-context-parallel-size"),
     ("prefill_context_parallel_size", "--prefill-context-parallel-size"),
 )
-
-# A TP or PP size read from kv_transfer_params is believed up to this.
-MAX_RANKS: Final = 256
 
 # The KV cache groups moved when a model has more than one (vLLM's spec
 # classes, by name: this module never imports vLLM).

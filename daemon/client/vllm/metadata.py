@@ -21,3 +21,7 @@ class KvpushdConnectorMetadata(KVConnectorMetadata):
     hold: list[ReceiveSpec] = field(default_factory=list)
     # Prefill requests a router named a transfer for that push nothing.
     unpushed: list[PushSpec] = field(default_factory=list)
+    # Decode requests whose load the scheduler side could not set up (its own
+    # error, swallowed by daemon/client/vllm/guard.py): each worker reports
+    # it failed, nothing having been registered, and vLLM recomputes it.
+    unloaded: list[str] = field(default_factory=list)

@@ -474,6 +474,17 @@ class SchedulerSide:
         metadata, self._pending = self._pending, KvpushdConnectorMetadata()
         return metadata
 
+    def unload(self, request_id: str) -> None:
+        """Fail a load vLLM waits for that ``after_alloc`` raised in: the workers say it failed."""
+        self._loading.discard(request_id)
+        self._pending.receive = [r for r in self._pending.receive if r.request_id != request_id]
+        self._pending.unloaded.append(request_id)
+
+    def salvage(self) -> KvpushdConnectorMetadata:
+        """This step's decisions as they are, when ``take_metadata`` raised."""
+        metadata, self._pending = self._pending, KvpushdConnectorMetadata()
+        return metadata
+
     def sent(self, request_ids: Any, received: Any) -> None:
         for request_id in request_ids:
             transfer_id = self._pushing.pop(request_id, None)

@@ -17,8 +17,11 @@ beside its own:
   (``kv_buffer = "host"``), the KV bytes copied from vLLM's cache to the
   daemon's host mirror (``out``, a prefill) and back (``in``, a decode);
 - ``vllm:kvpushd_not_loaded_total{why}``: decode requests that computed
-  their prompt instead (``fingerprint``, ``prompt``, ``duplicate``), and
-  prefill requests that pushed nothing (``not_needed``: aborted).
+  their prompt instead (``fingerprint``, ``prompt``, ``duplicate``,
+  ``params``), prefill requests that pushed nothing (``not_needed``:
+  aborted), either for the connector's own error that it swallowed
+  (``error``), and requests whose params lost fields the connector does not
+  read, unplain or too large (``params_dropped``: they go on).
 
 The data is plain dicts and lists: it crosses from vLLM's workers to its
 API process.
@@ -49,6 +52,8 @@ NOT_NEEDED = "not_needed"
 PARAMS = "params"  # a router's kv_transfer_params the connector cannot use
 WINDOW = "window"  # the prefill no longer holds the sliding window the decode needs
 LOGPROBS = "prompt_logprobs"  # the request reads no prefix: vLLM computes its whole prompt
+ERROR = "error"  # the connector's own error, swallowed: the request computes locally
+DROPPED = "params_dropped"  # params fields the connector does not read, dropped (unplain, large)
 
 _LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 

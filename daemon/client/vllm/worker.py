@@ -222,6 +222,9 @@ class WorkerSide:
         for unpushed in metadata.unpushed:
             for share in self._plan.shares(unpushed):
                 self._link.spawn(self._calls.announce(share))
+        for request_id in metadata.unloaded:  # registered nothing: failed
+            self._failed_loads.add(request_id)
+            self._done_receiving.add(request_id)
 
     def _start_load(self, receive: ReceiveSpec, generation: int) -> None:
         """Register one receiver per prefill rank that feeds this rank's blocks."""
