@@ -83,7 +83,7 @@ def _journal_says_quarantined(prefill: MetricsDaemon, decode: MetricsDaemon, rid
         assert not [e for e in events if isinstance(e, Trimmed | WriteStarted)], events
 
 
-def _until(check, timeout: float = 10.0):  # type: ignore[no-untyped-def]
+def _until(check, timeout: float = 10.0):
     deadline = time.monotonic() + timeout
     while True:
         found = check()
@@ -200,7 +200,7 @@ async def test_a_report_the_daemon_cannot_place_is_refused_and_it_keeps_serving(
         for bad in ({"difference": float("nan")}, {"layer": -1}, {"position": 1 << 41}):
             fields = {"layer": 0, "position": 1, "difference": 1.0, "tolerance": 0.1} | bad
             with pytest.raises(RpcError) as malformed:
-                await de.client.kv_mismatch("place-1", **fields)  # type: ignore[arg-type]
+                await de.client.kv_mismatch("place-1", **fields)
             assert malformed.value.code == rpc.BAD_REQUEST, bad
         # Nothing changed: no record, no quarantine; the daemons serve on.
         for daemon in (prefill, decode):

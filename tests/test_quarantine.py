@@ -156,8 +156,8 @@ def test_a_receivers_report_is_journaled_but_quarantines_nothing_on_the_decode_n
         registry.check_kv_mismatch("r1", 1, **kwargs)  # type: ignore[arg-type]
     assert early.value.reason is Reason.ILLEGAL_TRANSITION  # nothing landed yet
     registry.apply(WriteDone("r1", 1), 3.0)
-    for event in registry.plan_release("r1", 1):
-        registry.apply(event, 4.0)
+    for released in registry.plan_release("r1", 1):
+        registry.apply(released, 4.0)
     assert "r1" not in registry.live
     event, found = registry.check_kv_mismatch("r1", 1, **kwargs)  # type: ignore[arg-type]
     assert (event.role, event.engine_id, event.peer) == (Role.RECEIVER, "dec", "prefill")
