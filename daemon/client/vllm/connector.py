@@ -9,6 +9,7 @@ decides, daemon/client/vllm/worker.py talks to memory and to the daemon.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from daemon.client.vllm import stats as vs
 from daemon.client.vllm.guard import Swallowed, bound
+from daemon.client.vllm.kvcheck import KvCheckSettings, tolerance_for, values_dtype
 from daemon.client.vllm.layout import check_supported, fingerprint, group_states, group_windows
 from daemon.client.vllm.metadata import KvpushdConnectorMetadata
 from daemon.client.vllm.scheduler import HOLD_EVERY_S, SchedulerSide
@@ -41,6 +43,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["KvpushdConnector", "KvpushdConnectorMetadata"]
+
+log = logging.getLogger(f"vllm.{__name__}")
 
 
 class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
@@ -113,6 +117,7 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
                 memory=kv_memory(extra.get("kv_memory")),
                 num_blocks=getattr(kv_cache_config, "num_blocks", None),
                 states=self._states,
+                kv_check=_kv_check(vllm_config, extra, len(groups) if groups else 1),
             )
 
     # ------------------------------------------------------------- scheduler
@@ -156,8 +161,8 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         with Swallowed(self._scheduler, "build_connector_meta"):
-            return self._scheduler.take_metadata()
-        return self._scheduler.salvage()
+            return self._scheduler.take_metadata(scheduler_output)
+        return self._scheduler.take_metadata()  # this step's decisions as they are
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -178,6 +183,7 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
                 self._scheduler.sent(
                     connector_output.finished_sending or (),
                     connector_output.finished_recving or (),
+                    connector_output.failed_recving or (),
                 )
 
     def has_pending_push_work(self) -> bool:
@@ -236,7 +242,19 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
         return  # the daemon pushes whole requests once they finish
 
     def wait_for_save(self) -> None:
-        return
+        # After the forward: each load whose last prompt token it computed is
+        # checked against what the prefill pushed there (kvcheck.py).
+        assert self._worker is not None
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, KvpushdConnectorMetadata)
+        try:
+            self._worker.check_loads(metadata)
+        except Exception as exc:  # never into vLLM's step: the load goes unchecked
+            log.error("kvpushd: checking this step's loads failed: %r", exc)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.load_errors()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         # Failed loads go by request (failed_recving), never as block ids:
@@ -277,6 +295,25 @@ def _attention_isa(vllm_config: VllmConfig) -> str:
     cache = vllm_config.cache_config
     return str(
         _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
+    )
+
+
+def _kv_check(
+    vllm_config: VllmConfig, extra: dict[str, Any], groups: int
+) -> KvCheckSettings | None:
+    """How this instance checks its loads by behaviour (``kv_check = false``: not at all).
+
+    ``kv_check_tolerance`` overrides the measured tolerance of its KV dtype.
+    """
+    if str(extra.get("kv_check", True)).lower() in ("false", "0", "off"):
+        return None
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    model_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+    tolerance = extra.get("kv_check_tolerance")
+    return KvCheckSettings(
+        float(tolerance) if tolerance is not None else tolerance_for(cache_dtype, model_dtype),
+        values_dtype(cache_dtype),
+        one_group=groups <= 1,
     )
 
 

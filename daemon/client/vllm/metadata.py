@@ -25,3 +25,9 @@ class KvpushdConnectorMetadata(KVConnectorMetadata):
     # error, swallowed by daemon/client/vllm/guard.py): each worker reports
     # it failed, nothing having been registered, and vLLM recomputes it.
     unloaded: list[str] = field(default_factory=list)
+    # Loaded decode requests whose last prompt token this step computes: the
+    # worker compares its K/V there with the pushed one after the forward.
+    check: list[str] = field(default_factory=list)
+    # Loaded decode requests that will not be checked (preempted or ended
+    # before that forward): the worker drops what it kept for them.
+    uncheck: list[str] = field(default_factory=list)

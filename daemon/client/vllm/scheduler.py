@@ -21,6 +21,7 @@ from vllm.v1.request import RequestStatus
 
 from daemon import failpoints
 from daemon.client.vllm import stats as vs
+from daemon.client.vllm.checkplan import CheckPlan
 from daemon.client.vllm.hashes import (
     NotOneRun,
     block_hashes,
@@ -55,6 +56,7 @@ from statemachine.fingerprint import first_difference
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(f"vllm.{__name__}")
@@ -125,6 +127,8 @@ class SchedulerSide:
         # (bounded): a second request with the same params (a retry, a hedge)
         # computes its prompt.
         self._claims: dict[str, tuple[str, Leg]] = {}
+        # Loads checked by the decode's own K/V of the prompt's last token.
+        self._checks = CheckPlan(block_size, self._states)
         self.stats = vs.KvpushdStats()
 
     def new_request(self, request: Request) -> None:
@@ -320,15 +324,17 @@ class SchedulerSide:
         self._first_time(leg.transfer_id)
         self._held.pop(leg.transfer_id, None)
         self._loading.add(request.request_id)
-        self._pending.receive.append(
-            receive_spec(request.request_id, leg, ids_of(named), content=content)
-        )
+        spec = receive_spec(request.request_id, leg, ids_of(named), content=content)
+        # With recurrent state the prefill never computed the last token: nothing to check.
+        prompt_len = 0 if self._backoff else len(request.prompt_token_ids or ())
+        self._pending.receive.append(self._checks.plan(spec, prompt_len, blocks.get_block_ids()))
 
     def finished(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         cut = request.request_id in self._cut
         self._cut.pop(request.request_id, None)
+        self._pending.uncheck += self._checks.forget((request.request_id,))
         if request.request_id in self._loading:
             # Finished while loading (an abort): vLLM keeps its blocks until the
             # worker reports the load over, which it does once the daemon
@@ -434,10 +440,8 @@ class SchedulerSide:
 
     def _splits(self, params: dict[str, Any]) -> tuple[int, int]:
         """The decode's TP and PP sizes this instance splits its push for (0: its own)."""
-        return (
-            split_tp(self._fingerprint, params.get("kvpushd_decode_tp")),
-            split_pp(self._fingerprint, params.get("kvpushd_decode_pp")),
-        )
+        tp, pp = params.get("kvpushd_decode_tp"), params.get("kvpushd_decode_pp")
+        return split_tp(self._fingerprint, tp), split_pp(self._fingerprint, pp)
 
     def _not_pushing(self, request: Request, params: dict[str, Any], why: str) -> None:
         """Say at once that a transfer a router named will not be pushed.
@@ -470,7 +474,11 @@ class SchedulerSide:
         remember(self._received, transfer_id, None)
         return True
 
-    def take_metadata(self) -> KvpushdConnectorMetadata:
+    def take_metadata(self, scheduled: SchedulerOutput | None = None) -> KvpushdConnectorMetadata:
+        """This step's decisions (``scheduled`` None: as they are, its checks not named)."""
+        if scheduled is not None:
+            new, pending = scheduled.scheduled_new_reqs, self._pending
+            self._checks.scheduled(new, pending.check, pending.uncheck)
         metadata, self._pending = self._pending, KvpushdConnectorMetadata()
         return metadata
 
@@ -480,12 +488,8 @@ class SchedulerSide:
         self._pending.receive = [r for r in self._pending.receive if r.request_id != request_id]
         self._pending.unloaded.append(request_id)
 
-    def salvage(self) -> KvpushdConnectorMetadata:
-        """This step's decisions as they are, when ``take_metadata`` raised."""
-        metadata, self._pending = self._pending, KvpushdConnectorMetadata()
-        return metadata
-
-    def sent(self, request_ids: Any, received: Any) -> None:
+    def sent(self, request_ids: Any, received: Any, failed: Any = ()) -> None:
+        self._pending.uncheck += self._checks.forget(failed)
         for request_id in request_ids:
             transfer_id = self._pushing.pop(request_id, None)
             if transfer_id is not None and self._push_owners.get(transfer_id) == request_id:

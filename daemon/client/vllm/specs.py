@@ -81,6 +81,11 @@ class ReceiveSpec:
     split_tp: int = 0
     content: str = ""  # this request's prompt digest: the daemon pairs only equal ones
     slice: SliceEngine | None = None
+    # The blocks (group, block id) holding the prompt's last token, which the
+    # decode computes itself, and that token's position: its own K/V there
+    # checks the pushed one (daemon/client/vllm/kvcheck.py). (): unchecked.
+    check: tuple[tuple[int, int], ...] = ()
+    position: int = -1
 
     @property
     def shares_tp(self) -> int:

@@ -43,6 +43,12 @@ LOADED_BYTES = "loaded_bytes"
 LOAD_SECONDS = "load_seconds"
 NOT_LOADED = "not_loaded"
 STAGED = "staged"  # bytes copied by host staging, per direction
+# Loads checked by behaviour (daemon/client/vllm/kvcheck.py): their count by
+# result, and each check's relative difference (the healthy spread).
+CHECKS = "checks"
+CHECK_DIFFERENCES = "check_differences"
+AGREE = "agree"
+KV_MISMATCH = "kv_mismatch"  # also a NOT_LOADED reason: the request recomputes
 
 # Why a request did not use remote KV (NOT_LOADED's keys).
 FINGERPRINT = "fingerprint"
@@ -55,11 +61,20 @@ LOGPROBS = "prompt_logprobs"  # the request reads no prefix: vLLM computes its w
 ERROR = "error"  # the connector's own error, swallowed: the request computes locally
 DROPPED = "params_dropped"  # params fields the connector does not read, dropped (unplain, large)
 
+_DIFFERENCE_BUCKETS = (1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 0.03, 0.1, 0.3, 1.0, 3.0)
 _LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 def _empty() -> dict[str, Any]:
-    return {ENDED: {}, LOADED_BYTES: 0, LOAD_SECONDS: [], NOT_LOADED: {}, STAGED: {}}
+    return {
+        ENDED: {},
+        LOADED_BYTES: 0,
+        LOAD_SECONDS: [],
+        NOT_LOADED: {},
+        STAGED: {},
+        CHECKS: {},
+        CHECK_DIFFERENCES: [],
+    }
 
 
 @dataclass
@@ -88,16 +103,24 @@ class KvpushdStats(KVConnectorStats):
         if nbytes:
             _bump(self.data[STAGED], direction, nbytes)
 
+    def checked(self, difference: float, agreed: bool) -> None:
+        """A load checked by behaviour: its relative difference, and whether it agreed."""
+        _bump(self.data[CHECKS], AGREE if agreed else KV_MISMATCH)
+        self.data[CHECK_DIFFERENCES].append(difference)
+        if not agreed:
+            self.not_loaded(KV_MISMATCH)
+
     def reset(self) -> None:
         self.data = _empty()
 
     def aggregate(self, other: KVConnectorStats) -> KvpushdStats:
         theirs = other.data
-        for key in (ENDED, NOT_LOADED, STAGED):
+        for key in (ENDED, NOT_LOADED, STAGED, CHECKS):
             for name, count in theirs.get(key, {}).items():
                 _bump(self.data[key], name, count)
         self.data[LOADED_BYTES] += theirs.get(LOADED_BYTES, 0)
         self.data[LOAD_SECONDS].extend(theirs.get(LOAD_SECONDS, ()))
+        self.data[CHECK_DIFFERENCES].extend(theirs.get(CHECK_DIFFERENCES, ()))
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -108,6 +131,9 @@ class KvpushdStats(KVConnectorStats):
         summary |= {f"not_loaded_{why}": n for why, n in sorted(self.data[NOT_LOADED].items())}
         summary["loaded_bytes"] = self.data[LOADED_BYTES]
         summary |= {f"staged_{way}_bytes": n for way, n in sorted(self.data[STAGED].items())}
+        summary |= {f"checks_{result}": n for result, n in sorted(self.data[CHECKS].items())}
+        if self.data[CHECK_DIFFERENCES]:
+            summary["check_difference_max"] = max(self.data[CHECK_DIFFERENCES])
         if seconds:
             summary["load_p50_ms"] = round(seconds[len(seconds) // 2] * 1000, 3)
             summary["load_max_ms"] = round(seconds[-1] * 1000, 3)
@@ -119,6 +145,7 @@ class KvpushdStats(KVConnectorStats):
             or self.data[NOT_LOADED]
             or self.data[LOAD_SECONDS]
             or self.data[STAGED]
+            or self.data[CHECKS]
         )
 
     def take(self) -> KvpushdStats | None:
@@ -160,6 +187,21 @@ class KvpushdPromMetrics(KVConnectorPromMetrics):
             documentation="Host staging's KV bytes: cache -> mirror (out), mirror -> cache (in).",
             labelnames=[*labelnames, "direction"],
         )
+        self._checks = self._counter_cls(
+            name="vllm:kvpushd_kv_checks",
+            documentation="Loads checked by the decode's own K/V of the prompt's last token, "
+            "by result (agree, kv_mismatch).",
+            labelnames=[*labelnames, "result"],
+        )
+        self._differences = create_metric_per_engine(
+            self._histogram_cls(
+                name="vllm:kvpushd_kv_check_difference",
+                documentation="Each checked load's relative K/V difference, decode vs prefill.",
+                buckets=list(_DIFFERENCE_BUCKETS),
+                labelnames=labelnames,
+            ),
+            per_engine_labelvalues,
+        )
         self._bytes = create_metric_per_engine(
             self._counter_cls(
                 name="vllm:kvpushd_loaded_bytes",
@@ -186,6 +228,10 @@ class KvpushdPromMetrics(KVConnectorPromMetrics):
             self._not_loaded.labels(*labels, why).inc(count)
         for direction, nbytes in transfer_stats_data.get(STAGED, {}).items():
             self._staged.labels(*labels, direction).inc(nbytes)
+        for result, count in transfer_stats_data.get(CHECKS, {}).items():
+            self._checks.labels(*labels, result).inc(count)
+        for difference in transfer_stats_data.get(CHECK_DIFFERENCES, ()):
+            self._differences[engine_idx].observe(difference)
         if transfer_stats_data.get(LOADED_BYTES):
             self._bytes[engine_idx].inc(transfer_stats_data[LOADED_BYTES])
         for seconds in transfer_stats_data.get(LOAD_SECONDS, ()):

@@ -1,0 +1,283 @@
+"""Identity by behaviour: the decode's own K/V of the last prompt token checks every load.
+
+A decode that loaded a prompt's KV computes the prompt's last token itself
+(vLLM leaves it uncomputed so that it has logits to sample from), and that
+forward writes the decode's own K/V into the slot the prefill's push
+already filled. Fingerprints and block hashes name what someone thought of
+(a path, a name); this compares what the two engines actually computed, so
+weights or an adapter rewritten in place, or a rope table chosen by
+``max_model_len``, show here even when every listed field agrees.
+
+The worker keeps a copy of the block holding that slot in every layer of
+every group with token KV (a state group has no token to compare) once the
+load landed and before vLLM sees it, and compares the same blocks after the
+forward that computed the token. Only that token's bytes can change (the
+positions before it are loaded and not rewritten; the ones after it hold
+nothing yet), so the block's largest difference is the token's. Healthy
+pairs differ by kernel rounding only (the prefill computed the token in a
+batch of many, the decode alone); other weights, adapters or rope tables
+differ by the size of the values themselves. ``TOLERANCE`` is the
+relative difference allowed per KV dtype, set from bench/kv_check_spread.py's
+measured spread (bench/RESULTS.md).
+
+Owned by vLLM's worker thread. No I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final, NamedTuple, TypeVar
+
+import torch
+
+# The largest relative difference (|decode - prefill| / the token's largest
+# magnitude) a healthy pair shows, per KV cache dtype, with a wide margin;
+# a dtype not named uses DEFAULT_TOLERANCE. fp8 KV rounds to 3 mantissa bits:
+# one step of rounding is 1/8 of a value.
+TOLERANCE: Final[dict[str, float]] = {
+    "float32": 1e-3,
+    "bfloat16": 3e-2,
+    "float16": 1e-2,
+    "fp8": 0.3,
+    "fp8_e4m3": 0.3,
+    "fp8_e5m2": 0.5,
+}
+DEFAULT_TOLERANCE: Final = 3e-2
+_V = TypeVar("_V")
+
+# Magnitudes below this are rounding noise, not a scale to divide by.
+_FLOOR: Final = 1e-6
+
+
+class Slot(NamedTuple):
+    """The block holding the checked token in one KV cache group."""
+
+    group: int
+    block: int
+
+
+class Kept(NamedTuple):
+    """One group's checked block in every layer of the group, stacked: ``[layers, ...block]``."""
+
+    layers: tuple[tuple[int, str], ...]  # (layer index, name)
+    block: int
+    bytes: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The pushed bytes of the checked blocks, taken before the forward."""
+
+    request_id: str
+    position: int  # the checked token's position in the prompt
+    groups: tuple[Kept, ...]
+
+
+class Disagreement(NamedTuple):
+    """The largest difference of a checked token, where it exceeds the tolerance."""
+
+    layer: int  # the layer's index in the worker's model order
+    layer_name: str
+    position: int
+    difference: float  # relative: |decode - prefill| / the token's largest magnitude
+    tolerance: float
+
+
+def tolerance_for(kv_cache_dtype: str, model_dtype: str) -> float:
+    """The tolerance for an instance's KV: its cache dtype, or the model's where "auto"."""
+    name = model_dtype if kv_cache_dtype in ("", "auto") else kv_cache_dtype
+    return TOLERANCE.get(name.removeprefix("torch."), DEFAULT_TOLERANCE)
+
+
+def take(
+    request_id: str,
+    position: int,
+    slots: tuple[Slot, ...],
+    group_layers: tuple[tuple[tuple[int, str, torch.Tensor], ...], ...],
+) -> Snapshot:
+    """Copy the blocks of ``slots`` from every layer of their groups (block-major layer views)."""
+    kept = []
+    for group, block in slots:
+        if group >= len(group_layers) or not group_layers[group]:
+            continue
+        views = group_layers[group]
+        if not all(0 <= block < view.shape[0] for _, _, view in views):
+            continue
+        stacked = torch.stack([view[block] for _, _, view in views])
+        kept.append(Kept(tuple((index, name) for index, name, _ in views), block, stacked))
+    return Snapshot(request_id, position, tuple(kept))
+
+
+def compare(
+    snapshot: Snapshot,
+    layers: dict[str, torch.Tensor],
+    tolerance: float,
+    as_values: torch.dtype | None = None,
+) -> tuple[Disagreement | None, float]:
+    """The first layer whose token differs beyond ``tolerance``, and the largest difference seen.
+
+    ``as_values``: the dtype the cache's bytes hold where its tensors are
+    raw bytes (fp8 KV is stored as uint8).
+    """
+    worst = 0.0
+    for kept in snapshot.groups:
+        after = torch.stack([layers[name][kept.block] for _, name in kept.layers])
+        differences = relative_differences(kept.bytes, after, as_values)
+        worst = max(worst, float(differences.max()))
+        beyond = (~(differences <= tolerance)).nonzero()  # NaN is a disagreement too
+        if len(beyond):
+            at = int(beyond[0])
+            index, name = kept.layers[at]
+            difference = float(differences[at])
+            return Disagreement(index, name, snapshot.position, difference, tolerance), worst
+    return None, worst
+
+
+def relative_differences(
+    before: torch.Tensor, after: torch.Tensor, as_values: torch.dtype | None = None
+) -> torch.Tensor:
+    """Per layer (dim 0): max |after - before| over the changed elements, over their magnitude.
+
+    Elements whose bits did not change count as equal (garbage past the
+    prompt, even a NaN pattern, is the same on both sides of the forward),
+    and only the changed elements (the recomputed token's) give the scale:
+    stale values elsewhere in the block cannot hide a difference. A changed
+    element that is not finite is an infinite difference.
+    """
+    if as_values is not None:
+        before, after = before.view(as_values), after.view(as_values)
+    layers = before.shape[0]
+    bits = _BITS[before.element_size()]
+    changed = (before.view(bits) != after.view(bits)).view(layers, -1)
+    rows, columns = changed.nonzero(as_tuple=True)
+    if not len(rows):
+        return torch.zeros(layers)
+    # Only the changed elements (a token's, a few thousand) are read as values.
+    old = before.reshape(layers, -1)[rows, columns].float()
+    new = after.reshape(layers, -1)[rows, columns].float()
+    inf = float("inf")
+    difference = (new - old).abs_().nan_to_num_(inf, inf, inf)
+    difference[~torch.isfinite(new)] = inf
+    magnitude = torch.maximum(
+        old.abs().nan_to_num_(0.0, 0.0, 0.0), new.abs().nan_to_num_(0.0, 0.0, 0.0)
+    )
+    worst = torch.zeros(layers).scatter_reduce_(0, rows, difference, "amax")
+    scale = torch.zeros(layers).scatter_reduce_(0, rows, magnitude, "amax").clamp_min_(_FLOOR)
+    return worst / scale
+
+
+# An integer dtype of each element size: equal bits, compared element by element.
+_BITS: Final = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True)
+class KvCheckSettings:
+    """How a worker checks its loads: the tolerance, the dtype of fp8 bytes, and vLLM's limits.
+
+    ``one_group``: the model has one KV cache group, so vLLM takes a load
+    error for a running request as block ids (it refuses them with more).
+    """
+
+    tolerance: float
+    as_values: torch.dtype | None = None
+    one_group: bool = True
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a checked load keeps until its check: where, and whose KV it was."""
+
+    position: int
+    slots: tuple[Slot, ...]
+    first_block: int  # the first block it loaded (group 0): vLLM recomputes from there
+    shares: tuple[str, ...]  # the daemon requests it was loaded under
+    peer: str  # the prefill's daemon (its node)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A checked load whose KV is not this engine's."""
+
+    request_id: str
+    disagreement: Disagreement
+    plan: Plan
+
+
+class LoadChecks:
+    """The worker's checks of its loads: planned at registration, kept on landing, compared after.
+
+    ``layers``: per KV cache group, (index, name, block-major view) of each
+    layer of vLLM's own cache (not a staging mirror: the check reads what
+    the forward read and wrote).
+    """
+
+    def __init__(
+        self,
+        layers: tuple[tuple[tuple[int, str, torch.Tensor], ...], ...],
+        tolerance: float,
+        as_values: torch.dtype | None = None,
+        *,
+        bound: int = 4096,
+    ) -> None:
+        self._layers = layers
+        self._by_name = {name: view for group in layers for _, name, view in group}
+        self._tolerance = tolerance
+        self._as_values = as_values
+        self._bound = bound
+        self._plans: dict[str, Plan] = {}
+        self._kept: dict[str, tuple[Snapshot, Plan]] = {}
+
+    def plan(self, request_id: str, plan: Plan) -> None:
+        self._plans[request_id] = plan
+        _bounded(self._plans, self._bound)
+
+    def landed(self, request_ids: set[str], failed: set[str]) -> None:
+        """These loads are over: keep the checked blocks of those that landed (before a forward)."""
+        for request_id in request_ids:
+            plan = self._plans.pop(request_id, None)
+            if plan is None or request_id in failed:
+                continue
+            self._kept[request_id] = (
+                take(request_id, plan.position, plan.slots, self._layers),
+                plan,
+            )
+            _bounded(self._kept, self._bound)
+
+    def drop(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._plans.pop(request_id, None)
+            self._kept.pop(request_id, None)
+
+    def after_forward(
+        self, request_ids: list[str]
+    ) -> tuple[list[Finding], list[tuple[str, float]]]:
+        """Compare the loads whose last prompt token this step computed.
+
+        Returns the findings, and each checked request's largest difference.
+        """
+        findings: list[Finding] = []
+        differences: list[tuple[str, float]] = []
+        for request_id in request_ids:
+            kept = self._kept.pop(request_id, None)
+            if kept is None:
+                continue
+            snapshot, plan = kept
+            disagreement, worst = compare(snapshot, self._by_name, self._tolerance, self._as_values)
+            differences.append((request_id, worst))
+            if disagreement is not None:
+                findings.append(Finding(request_id, disagreement, plan))
+        return findings, differences
+
+
+def _bounded(memory: dict[str, _V], bound: int) -> None:
+    while len(memory) > bound:
+        del memory[next(iter(memory))]
+
+
+def values_dtype(kv_cache_dtype: str) -> torch.dtype | None:
+    """The dtype an fp8 KV cache's bytes hold (vLLM stores it as uint8); None otherwise."""
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
+    if kv_cache_dtype == "fp8_e5m2":
+        return torch.float8_e5m2
+    return None
