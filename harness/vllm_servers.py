@@ -45,7 +45,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -563,6 +563,7 @@ def kvpushd_pd(
     prefill_server_env: dict[str, str] | None = None,
     prefill_extra_config: dict[str, Any] | None = None,
     hosts: Any = None,
+    between_starts: Callable[[], None] | None = None,
     **decode_config: Any,
 ) -> Iterator[tuple[VllmServer, VllmServer, Any, Any]]:
     """A prefill/decode pair through kvpushd: two daemons (no ``[[peers]]``), two servers.
@@ -593,7 +594,9 @@ def kvpushd_pd(
     :class:`daemon.sim.hosts.Hosts` with hosts ``router``, ``prefill`` and
     ``decode``) puts each daemon and its server on its own host, UCX over
     TCP, and makes this process's calls to the servers from the router
-    host; the shared-memory
+    host; ``between_starts`` runs once the prefill server is healthy and
+    before the decode server starts (a checkpoint rewritten in place between
+    the two, as a rolling upgrade does); the shared-memory
     segments servers of several ranks leave behind are removed after.
     The decode daemon dials the prefill's on demand. On exit the servers
     stop, then both daemons (one killed by the caller stays killed); a daemon
@@ -642,8 +645,12 @@ def kvpushd_pd(
         ],
     )  # fmt: skip
     try:
-        with running(p, d):
-            yield p, d, prefill, decode
+        if between_starts is None:
+            with running(p, d):
+                yield p, d, prefill, decode
+        else:
+            with running(p), _then(between_starts), running(d):
+                yield p, d, prefill, decode
     finally:
         codes = {
             daemon.node: daemon.stop()
@@ -655,6 +662,12 @@ def kvpushd_pd(
         bad = {node: code for node, code in codes.items() if code != 0}
         if bad:
             raise VllmServerError(f"daemons did not stop cleanly: {bad}")
+
+
+@contextlib.contextmanager
+def _then(step: Callable[[], None]) -> Iterator[None]:
+    step()
+    yield
 
 
 def vllm_shm_segments() -> set[str]:

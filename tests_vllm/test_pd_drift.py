@@ -1,0 +1,94 @@
+"""Two instances that drifted apart where no field looks: caught by what the decode computes.
+
+A rolling upgrade rewrites a fine-tune's checkpoint in place: the prefill
+started on the old weights, the folder then got other weights (same config,
+names and sizes), and the decode started on them. The model path, the config
+and every layout field agree, so the fingerprint and the block hashes pass;
+before the behavioural check the decode served wrong tokens for every loaded
+prompt. Now the decode's own K/V of the prompt's last token (it computes
+that token itself, over the pushed one) differs from the prefill's far
+beyond kernel rounding: the step's output is dropped, vLLM recomputes the
+prompt (``kv_load_failure_policy=recompute``), and the client gets the
+decode's own tokens. Both journals hold ``kv_mismatch``; the prefill daemon
+quarantines the pairing, so the next request of it is refused before a byte
+moves (computed locally, no forward at risk) until an operator clears it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from daemon.sim.launcher import Daemon, wait_idle
+from harness.tinyllama import TinyLlama, write_tinyllama
+from harness.vllm_router import prefill_leg
+from harness.vllm_servers import VllmServer, kvpushd_pd
+from schemas.events import KvMismatch
+
+TOKENS = 8
+PD = tuple[VllmServer, VllmServer, Daemon, Daemon]
+CHECKS = "vllm:kvpushd_kv_checks_total"
+
+
+@pytest.fixture(scope="module")
+def rewritten_pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
+    folder = write_tinyllama(tmp_path_factory.mktemp("rolling"))
+
+    def upgrade_in_place() -> None:
+        write_tinyllama(folder, TinyLlama(seed=1))
+
+    with kvpushd_pd(
+        folder,
+        tmp_path_factory.mktemp("pd-rolling"),
+        between_starts=upgrade_in_place,
+        kv_load_failure_policy="recompute",
+    ) as pd:
+        yield pd
+
+
+def _checks(server: VllmServer, result: str) -> float:
+    return server.metrics().total(CHECKS, result=result)
+
+
+def test_a_checkpoint_rewritten_in_place_between_the_legs_starts_serves_no_wrong_token(
+    rewritten_pd: PD,
+) -> None:
+    p, d, prefill, decode = rewritten_pd
+    rng = random.Random(47)
+    prompt = [rng.randrange(2, 512) for _ in range(100)]
+    own = d.complete(prompt, TOKENS).token_ids
+    # The oracle can tell: the two instances hold other weights.
+    assert p.complete(prompt, TOKENS).token_ids != own
+    sent = prefill_leg(p, prompt)
+    # Nothing the fingerprint names differs: the same path, config and layout.
+    assert sent["kvpushd_fingerprint"]["model"] == str(d.model)
+    mismatches = _checks(d, "kv_mismatch")
+    assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == own
+    assert _checks(d, "kv_mismatch") == mismatches + 1
+    wait_idle(prefill, decode)
+    transfer = sent["kvpushd_transfer_id"]
+    for daemon in (prefill, decode):
+        records = [e for e in daemon.journal_events(transfer) if isinstance(e, KvMismatch)]
+        assert len(records) == 1, (daemon.node, daemon.journal_events(transfer))
+        (record,) = records
+        assert record.difference > record.tolerance, record
+    log = d.log.read_text(errors="replace")
+    assert "kv_mismatch: the KV pushed by prefill" in log
+    assert prefill.node in log
+
+
+def test_a_quarantined_pairing_is_computed_without_a_forward_at_risk(rewritten_pd: PD) -> None:
+    p, d, prefill, decode = rewritten_pd
+    rng = random.Random(48)
+    checked = _checks(d, "kv_mismatch") + _checks(d, "agree")
+    for length in (40, 150):
+        prompt = [rng.randrange(2, 512) for _ in range(length)]
+        own = d.complete(prompt, TOKENS).token_ids
+        sent = prefill_leg(p, prompt)
+        assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == own, length
+    # Refused at the pairing: nothing loaded, so nothing left to check.
+    assert _checks(d, "kv_mismatch") + _checks(d, "agree") == checked
+    wait_idle(prefill, decode)
