@@ -306,10 +306,28 @@ def allowed(case: Case, batch: Batch, model: Model) -> frozenset[Outcome]:
     # the router or of the system, a pool with room, and tokens to load
     # (vLLM computes the prompt's last token itself, and a prefix hit's).
     loadable = case.prompt_len - 1 > case.prefix_blocks * model.block_size
-    window_moved = model.sliding_window > 0 and case.prefill_max_tokens > 1
+    window_moved = model.sliding_window > 0 and (
+        case.prefill_max_tokens > 1 or _window_freed(case.prompt_len, model)
+    )
     if is_clean(case, batch) and not batch.small_pool and loadable and not window_moved:
         outcomes.discard(Outcome.LOCAL)
     return frozenset(outcomes)
+
+
+def _window_freed(prompt_len: int, model: Model) -> bool:
+    """The prefill freed the block the decode's recomputed last token still attends to.
+
+    vLLM frees a finished request's out-of-window blocks before it hands its
+    block table to the connector (``_connector_finished``: the tokens before
+    ``prompt_len - window + 1`` are skipped, whole blocks of them freed). The
+    decode recomputes the token at ``prompt_len - 1``, which attends back to
+    ``prompt_len - window``: when ``prompt_len - window + 1`` starts a block,
+    the block holding that token is gone (fuzz seed 20261207, case 39: a
+    367-token prompt, window 48, a prefill leg of one token: 320 = 10 x 32).
+    One prompt length in ``block_size`` on a sliding-window model.
+    """
+    first_kept = prompt_len - model.sliding_window + 1
+    return first_kept > 0 and first_kept % model.block_size == 0
 
 
 def shrink(case: Case, batch: Batch, model: Model) -> Iterator[tuple[Case, Batch]]:

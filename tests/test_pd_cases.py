@@ -105,6 +105,15 @@ def test_remote_kv_is_required_only_of_a_clean_case_with_tokens_to_load() -> Non
     assert allowed(case, quiet, windowed) == {Outcome.REMOTE}
     five = dataclasses.replace(case, prefill_max_tokens=5)
     assert Outcome.LOCAL in allowed(five, quiet, windowed)
+    # A prefill leg of one token whose window's first kept token starts a
+    # block: vLLM freed the block the decode's recomputed token attends to
+    # (fuzz seed 20261207, case 39, shrunk: 367 - 48 + 1 = 320 = 10 x 32).
+    gap = dataclasses.replace(case, prompt_len=367)
+    assert allowed(gap, quiet, windowed) == {Outcome.REMOTE, Outcome.LOCAL}
+    for length in (366, 368, 351):  # the neighbours must load
+        assert allowed(dataclasses.replace(gap, prompt_len=length), quiet, windowed) == {
+            Outcome.REMOTE
+        }, length
     for system in set(SystemFault) - {SystemFault.NONE}:
         assert Outcome.LOCAL in allowed(case, dataclasses.replace(quiet, system=system), MODEL)
     assert Outcome.LOCAL in allowed(case, dataclasses.replace(quiet, small_pool=True), MODEL)
