@@ -108,6 +108,8 @@ def hostile_legs(
         ("address foreign", _set("kvpushd_address", "203.0.113.9:7")),
         ("address not an address", _set("kvpushd_address", "::::")),
         ("its own node", lambda p: p.update(kvpushd_node=own_node, kvpushd_address=own_address)),
+        # The caller names a transfer its prefill never had on every leg: alone, that.
+        ("a transfer its prefill never had", lambda p: None),
         ("version a dict", _set("kvpushd_version", {"v": 1})),
         ("do_remote_prefill a string", _set("do_remote_prefill", "yes")),
         (

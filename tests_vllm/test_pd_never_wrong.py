@@ -18,6 +18,7 @@ recompute), so every answer still equals a single instance's.
 
 from __future__ import annotations
 
+import copy
 import http.client
 import json
 import random
@@ -28,9 +29,10 @@ from pathlib import Path
 
 import pytest
 
-from daemon.sim.launcher import Daemon, wait_idle
+from daemon.sim.launcher import Daemon, free_port, wait_idle
+from harness.hostile_params import hostile_legs
 from harness.vllm_router import external_tokens, loads_token_exact, prefill_leg
-from harness.vllm_servers import VllmServer, kvpushd_pd
+from harness.vllm_servers import VllmServer, VllmServerError, kvpushd_pd
 from schemas.events import Failed, Registered, WriteDone, WriteStarted
 from schemas.reasons import Reason
 from statemachine.content import decode as decode_content
@@ -332,5 +334,47 @@ def test_a_decode_leg_asking_for_prompt_logprobs_computes_its_prompt_and_ends_th
         assert time.monotonic() < deadline, "the refusal did not reach /metrics"
         time.sleep(0.2)
     assert "asks for prompt logprobs" in d.log.read_text(errors="replace")
+    p.wait_kv_usage_zero()
+    d.wait_kv_usage_zero()
+
+
+def test_hostile_params_sent_to_a_decode_leave_it_serving_token_exact(pd: PD) -> None:
+    """No request takes the decode's engine down (issue 47): each hostile shape computes locally.
+
+    A real prefill answer for the prompt, changed one way at a time
+    (harness/hostile_params.py): sizes of 0 (a fingerprint TP size of 0
+    once killed the engine with ``ZeroDivisionError`` inside vLLM's
+    ``schedule()``), negative and huge, wrong types, a dict nested 500 deep
+    (``RecursionError`` as vLLM pickled the step: a plain vLLM dies of it
+    too), megabyte strings, a closed or foreign address, the decode's own
+    node. Each is answered as a single instance answers, and the decode
+    then still loads a clean P/D request token-exact.
+    """
+    p, d, _, decode = pd
+    rng = random.Random(4747)
+    prompt = [rng.randrange(2, 512) for _ in range(70)]
+    single = p.complete(prompt, TOKENS).token_ids
+    answer = prefill_leg(p, prompt)
+    shapes = hostile_legs(decode.node, f"127.0.0.1:{decode.port}", f"127.0.0.1:{free_port()}")
+
+    def send(number: int) -> None:
+        name, change = shapes[number]
+        sent = copy.deepcopy(answer)
+        # Each its own transfer: a leg that still reads claims it (a second would be a
+        # duplicate). A leg that still reads names a transfer its prefill never had: its
+        # load waits out the prefill daemon's registered deadline (30 s), then recomputes.
+        sent["kvpushd_transfer_id"] = f"hostile-{number}"
+        change(sent)
+        try:
+            assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single, name
+        except VllmServerError as exc:  # vLLM's own API refuses integers past 64 bits
+            assert "HTTP 400" in str(exc) and "extra_args integers" in str(exc), (name, exc)
+
+    with ThreadPoolExecutor(max_workers=16) as pool:  # those waits at once, not one by one
+        list(pool.map(send, range(len(shapes))))
+    log = d.log.read_text(errors="replace")
+    assert "EngineCore encountered a fatal error" not in log
+    assert "kv_transfer_params dropped 'kvpushd_fingerprint'" in log
+    loads_token_exact(p, d, [rng.randrange(2, 512) for _ in range(80)], TOKENS)
     p.wait_kv_usage_zero()
     d.wait_kv_usage_zero()
