@@ -77,6 +77,15 @@ class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_
     quantization: Word = ""
     overrides: Word = ""
     speculative: Name = ""
+    # What the model's config and paths do not say (issue 47): ``weights``
+    # a digest of the loaded parameters this engine's rank holds (a strided
+    # sample of each, daemon/client/vllm/weights.py; "" where not taken:
+    # the scheduler, which holds no model, or a worker that could not reach
+    # it), compared only between shards of one layout (statemachine/fingerprint.py);
+    # ``rope`` the rotary embedding as vLLM resolved it (its type, the table
+    # chosen for this max_model_len, a digest of its parameters).
+    weights: Word = ""
+    rope: Word = ""
 
     @property
     def names_heads(self) -> bool:

@@ -26,6 +26,18 @@ from statemachine.errors import TrimRefused
 # Where an engine sits among its instance's ranks, not what its KV is: not
 # compared once both engines name the heads they hold.
 PLACEMENT_FIELDS = frozenset({"tp_size", "pp_size"})
+# A digest of the parameters one engine's rank holds: its TP shard of its
+# stage's layers. Rank r of an instance holds the same shard as rank r of
+# another only at equal TP and PP sizes (its ``kv_head_range`` and
+# ``layer_range``, compared, then say it is rank r), so the digests are
+# compared there, and only where both engines took one ("": a scheduler, or
+# a worker that could not reach its model). Every rank pairs with its
+# counterpart and a load is all or nothing, so at equal sizes the whole
+# model is compared, shard by shard. Between other layouts no rank's shard
+# is another's and nothing cheap up front compares them: the decode's own
+# K/V of the prompt's last token (daemon/client/vllm/kvcheck.py) is the
+# check there.
+SHARD_FIELDS = frozenset({"weights"})
 
 
 def first_difference(
@@ -46,11 +58,19 @@ def first_difference(
     skip = frozenset(ignore)
     if prefill.names_heads and decode.names_heads:
         skip |= PLACEMENT_FIELDS
+    if not _same_shards(prefill, decode):
+        skip |= SHARD_FIELDS
     for name in Fingerprint.__struct_fields__:
         ours, theirs = getattr(prefill, name), getattr(decode, name)
         if ours != theirs and name not in skip:
             return (name, ours, theirs)
     return None
+
+
+def _same_shards(prefill: Fingerprint, decode: Fingerprint) -> bool:
+    """Whether the two engines' weights digests are of the same shard (SHARD_FIELDS)."""
+    same_layout = (prefill.tp_size, prefill.pp_size) == (decode.tp_size, decode.pp_size)
+    return same_layout and bool(prefill.weights) and bool(decode.weights)
 
 
 def check_fingerprints(prefill: Fingerprint | None, decode: Fingerprint | None) -> None:

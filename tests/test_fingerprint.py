@@ -71,6 +71,7 @@ def test_equal_fingerprints_pair_and_so_do_two_undeclared_ones() -> None:
         ("quantization", "fp8"),
         ("overrides", "0123456789abcdef"),
         ("speculative", "eagle:/drafts/d:3"),
+        ("rope", "longrope:long:0123456789abcdef"),
     ],
 )
 def test_any_differing_field_is_refused_by_name(field: str, value: object) -> None:
@@ -92,7 +93,7 @@ def test_every_fingerprint_field_is_named_by_the_parametrized_test() -> None:
     named = {"model", "revision", "dtype", "kv_cache_dtype", "block_size", "num_layers"}
     named |= {"num_kv_heads", "head_size", "kv_layout", "tp_size", "pp_size", "engine"}
     named |= {"protocol", "kv_head_range", "layer_range", "quantization", "overrides"}
-    named |= {"speculative"}
+    named |= {"speculative", "rope", "weights"}
     assert set(Fingerprint.__struct_fields__) == named
 
 
@@ -119,6 +120,27 @@ def test_engines_naming_their_heads_pair_across_tp_sizes_only_on_the_same_heads(
     )
     # A scheduler asking whether two instances can pair at all leaves TP aside.
     assert first_difference(prefill, unnamed, ignore={"tp_size", "kv_head_range"}) is None
+
+
+def test_weights_digests_are_compared_between_shards_of_one_layout_where_both_took_one() -> None:
+    prefill = msgspec.structs.replace(TINY, weights="aa" * 16)
+    rewritten = msgspec.structs.replace(TINY, weights="bb" * 16)
+    # The same layout: a checkpoint rewritten in place is refused by name.
+    assert first_difference(prefill, rewritten) == ("weights", "aa" * 16, "bb" * 16)
+    with pytest.raises(TrimRefused) as refused:
+        check_fingerprints(prefill, rewritten)
+    assert "field 'weights' differs" in refused.value.message
+    assert first_difference(prefill, msgspec.structs.replace(rewritten, weights="aa" * 16)) is None
+    # TP ranks of other sizes hold other shards: not comparable, not compared.
+    tp2 = msgspec.structs.replace(prefill, tp_size=2, kv_head_range=(0, 1))
+    tp1 = msgspec.structs.replace(rewritten, tp_size=1, kv_head_range=(0, 1))
+    assert first_difference(tp2, tp1) is None
+    # Equal sizes, other ranks: refused by the heads they name, first.
+    rank1 = msgspec.structs.replace(tp2, kv_head_range=(1, 2))
+    assert first_difference(tp2, rank1)[0] == "kv_head_range"  # type: ignore[index]
+    # An engine that took no digest (its model out of reach) is compared on the rest.
+    assert first_difference(prefill, TINY) is None
+    assert first_difference(TINY, rewritten) is None
 
 
 # --------------------------------------------------------- two real daemons

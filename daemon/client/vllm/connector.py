@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -26,13 +28,16 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from daemon.client.vllm import stats as vs
 from daemon.client.vllm.guard import Swallowed, bound
+from daemon.client.vllm.inputs import counts_inputs
 from daemon.client.vllm.kvcheck import KvCheckSettings, tolerance_for, values_dtype
 from daemon.client.vllm.layout import check_supported, fingerprint, group_states, group_windows
 from daemon.client.vllm.metadata import KvpushdConnectorMetadata
 from daemon.client.vllm.scheduler import HOLD_EVERY_S, SchedulerSide
 from daemon.client.vllm.sharedmemory import kv_memory
 from daemon.client.vllm.staging import SHARED, kv_buffer
+from daemon.client.vllm.weights import calling_model, model_digest
 from daemon.client.vllm.worker import WorkerSide
+from schemas.fingerprint import Fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -71,6 +76,11 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
             kv_cache_config,
             attention_isa=_attention_isa(vllm_config),
         )
+        # identity = false (a test switch): no up-front rope or weights
+        # digest, so the behavioural check (kv_check) is seen alone.
+        self._identity = str(extra.get("identity", True)).lower() not in ("false", "0", "off")
+        if not self._identity:
+            self._fingerprint = msgspec.structs.replace(self._fingerprint, rope="")
         # Each KV cache group's sliding window in tokens (0: full attention),
         # and which hold recurrent state (Mamba/SSM) instead of token positions.
         self._windows = group_windows(kv_cache_config)
@@ -87,6 +97,7 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
                 hold_every_s=float(extra.get("hold_every_s", HOLD_EVERY_S)),
                 states=self._states,
             )
+            self._scheduler.counts_inputs = counts_inputs(vllm_config)
         else:
             socket_path = extra.get("socket")
             if not socket_path:
@@ -107,7 +118,8 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = WorkerSide(
                 str(socket_path),
                 engine_id,
-                self._fingerprint,
+                # The engine registers with its rank's weights digest too.
+                _with_weights(self._fingerprint) if self._identity else self._fingerprint,
                 rank,
                 tp_size,
                 stage,
@@ -296,6 +308,23 @@ def _attention_isa(vllm_config: VllmConfig) -> str:
     return str(
         _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
     )
+
+
+def _with_weights(instance: Fingerprint) -> Fingerprint:
+    """``instance`` with this worker rank's weights digest (daemon/client/vllm/weights.py).
+
+    vLLM builds the worker's connector after loading the model; the digest
+    is taken once, here. Not reached (another vLLM's call path): none, and
+    the pairing compares no weights for this engine.
+    """
+    model = calling_model()
+    if model is None:
+        log.warning("kvpushd: the loaded model was not found: this engine names no weights digest")
+        return instance
+    started = time.perf_counter()
+    weights = model_digest(model)
+    log.info("kvpushd: weights digest %s in %.3f s", weights, time.perf_counter() - started)
+    return msgspec.structs.replace(instance, weights=weights)
 
 
 def _kv_check(

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Final
 
+from daemon.client.vllm.adapters import adapter_key
 from daemon.client.vllm.layout import NULL_BLOCK, Blocks
 from statemachine.content import HASH_HEX, GroupHashes, encode
 
@@ -168,10 +169,15 @@ def block_hashes(request: Any, block_size: int, count: int, length: int | None =
     parent = sha256_cbor(CHAIN_SEED)
     mm_index = 0
     hashes = []
+    # vLLM keys an adapter by name and path: its content goes in the first
+    # block's extra keys too (adapters.py), and the chain carries it on.
+    adapter = adapter_key(request)
     for index in range(count):
         start = index * block_size
         end = min(start + block_size, len(tokens))
         extra, mm_index = generate_block_hash_extra_keys(request, start, end, mm_index)
+        if index == 0 and adapter is not None:
+            extra = (*(extra or ()), adapter)
         parent = hash_block_tokens(sha256_cbor, parent, tokens[start:end], extra)
         hashes.append(bytes(parent).hex()[:HASH_HEX])
     return hashes

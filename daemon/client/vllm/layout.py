@@ -30,6 +30,7 @@ from typing import Any, Final
 
 import msgspec
 
+from daemon.client.vllm.rope import rope_identity
 from schemas.fingerprint import CONNECTOR_PROTOCOL, MAX_RANKS, Fingerprint
 from statemachine.ranks import (
     UnmappableRanks,
@@ -262,6 +263,7 @@ def fingerprint(
         quantization=str(getattr(model, "quantization", None) or ""),
         overrides=_overrides_digest(getattr(model, "hf_overrides", None)),
         speculative=_speculative(getattr(vllm_config, "speculative_config", None)),
+        rope=rope_identity(model),
     )
 
 

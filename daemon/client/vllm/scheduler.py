@@ -31,6 +31,7 @@ from daemon.client.vllm.hashes import (
     unhashed_prompt_blocks,
 )
 from daemon.client.vllm.hashes import content as block_content
+from daemon.client.vllm.inputs import local_only, reads_no_prefix
 from daemon.client.vllm.layout import (
     prompt_backoff,
     prompt_digest,
@@ -81,12 +82,9 @@ NOT_LOADED: Final = "not loaded: "
 _COMPUTED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED})
 
 
-def _reads_no_prefix(request: Request) -> bool:
-    """vLLM reads no prefix for this request (prompt logprobs): it computes its whole prompt."""
-    return bool(getattr(request, "get_skip_reading_prefix_cache", lambda: False)())
-
-
 class SchedulerSide:
+    counts_inputs = False  # names multimodal inputs by counters (the connector sets it)
+
     def __init__(
         self,
         node: str,
@@ -149,7 +147,7 @@ class SchedulerSide:
         prompt = request.prompt_token_ids
         if request.request_id in self._cut or prompt is None or len(prompt) <= self._backoff:
             return
-        if _reads_no_prefix(request):
+        if reads_no_prefix(request):
             return
         del prompt[-self._backoff :]
         del request._all_token_ids[-self._backoff :]
@@ -241,13 +239,9 @@ class SchedulerSide:
 
         (What kind of reason, for the stats; what happened, for the log.)
         """
-        if _reads_no_prefix(request):
-            # vLLM drops the external tokens of a request that reads no
-            # prefix (prompt logprobs need every prompt token's logits): the
-            # push ends now, not when this request finishes.
-            return vs.LOGPROBS, (
-                "the request asks for prompt logprobs: vLLM computes its whole prompt"
-            )
+        # Prompt logprobs, counted multimodal inputs (inputs.py): the push ends now.
+        if (local := local_only(request, self.counts_inputs)) is not None:
+            return local
         gap = window_gap(len(request.prompt_token_ids or ()), self._block_size, self._windows)
         if gap is not None:
             return vs.WINDOW, (

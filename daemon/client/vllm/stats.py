@@ -38,6 +38,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+# Why a request's own inputs compute its prompt: prompt logprobs, counted multimodal inputs.
+from daemon.client.vllm.inputs import LOGPROBS as LOGPROBS
+from daemon.client.vllm.inputs import MULTIMODAL as MULTIMODAL
+
 ENDED = "ended"
 LOADED_BYTES = "loaded_bytes"
 LOAD_SECONDS = "load_seconds"
@@ -57,7 +61,6 @@ DUPLICATE = "duplicate"
 NOT_NEEDED = "not_needed"
 PARAMS = "params"  # a router's kv_transfer_params the connector cannot use
 WINDOW = "window"  # the prefill no longer holds the sliding window the decode needs
-LOGPROBS = "prompt_logprobs"  # the request reads no prefix: vLLM computes its whole prompt
 ERROR = "error"  # the connector's own error, swallowed: the request computes locally
 DROPPED = "params_dropped"  # params fields the connector does not read, dropped (unplain, large)
 
