@@ -20,15 +20,21 @@ differ by the size of the values themselves. ``TOLERANCE`` is the
 relative difference allowed per KV dtype, set from bench/kv_check_spread.py's
 measured spread (bench/RESULTS.md).
 
-Owned by vLLM's worker thread. No I/O.
+Owned by vLLM's worker thread. No I/O but its log lines.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, NamedTuple, TypeVar
 
 import torch
+
+from daemon.client.vllm.specs import ReceiveSpec
+
+log = logging.getLogger(f"vllm.{__name__}")
 
 # The largest relative difference (|decode - prefill| / the token's largest
 # magnitude) a healthy pair shows, per KV cache dtype, with a wide margin;
@@ -217,19 +223,48 @@ class LoadChecks:
         tolerance: float,
         as_values: torch.dtype | None = None,
         *,
+        one_group: bool = True,
         bound: int = 4096,
     ) -> None:
         self._layers = layers
         self._by_name = {name: view for group in layers for _, name, view in group}
         self._tolerance = tolerance
         self._as_values = as_values
+        self._one_group = one_group
         self._bound = bound
         self._plans: dict[str, Plan] = {}
         self._kept: dict[str, tuple[Snapshot, Plan]] = {}
+        # Blocks of loads found not this engine's, for vLLM to recompute.
+        self._invalid: set[int] = set()
+
+    @classmethod
+    def over(
+        cls,
+        views: dict[str, torch.Tensor],
+        parts: dict[str, tuple[str, ...]],
+        group_names: tuple[tuple[str, ...], ...],
+        settings: KvCheckSettings,
+    ) -> LoadChecks:
+        """Checks over vLLM's block-major layer views (``parts``: each layer's, as K and V)."""
+        layers = tuple(
+            tuple(
+                (index, part, views[part])
+                for index, part in enumerate(p for name in names for p in parts.get(name, ()))
+            )
+            for names in group_names
+        )
+        return cls(layers, settings.tolerance, settings.as_values, one_group=settings.one_group)
 
     def plan(self, request_id: str, plan: Plan) -> None:
         self._plans[request_id] = plan
         _bounded(self._plans, self._bound)
+
+    def plan_load(self, load: ReceiveSpec, shares: tuple[str, ...]) -> None:
+        """A load the scheduler named a check for (``load.check``), under these ``shares``."""
+        if load.check and load.block_ids and load.block_ids[0]:
+            slots = tuple(Slot(*slot) for slot in load.check)
+            first = load.block_ids[0][0]
+            self.plan(load.request_id, Plan(load.position, slots, first, shares, load.peer))
 
     def landed(self, request_ids: set[str], failed: set[str]) -> None:
         """These loads are over: keep the checked blocks of those that landed (before a forward)."""
@@ -267,6 +302,50 @@ class LoadChecks:
             if disagreement is not None:
                 findings.append(Finding(request_id, disagreement, plan))
         return findings, differences
+
+
+    def after_step(
+        self, check: list[str], uncheck: list[str], checked: Callable[[float, bool], None]
+    ) -> list[Finding]:
+        """The step's checks: findings logged, counted (``checked``) and kept as load errors.
+
+        One KV cache group: the first loaded block is a load error, vLLM then
+        drops the step's output for the request and recomputes (or fails)
+        it. Several: vLLM takes no load error for a running request, and the
+        line says so.
+        """
+        self.drop(uncheck)
+        if not check:
+            return []
+        findings, differences = self.after_forward(check)
+        for request_id, difference in differences:
+            # bench/kv_check_spread.py reads these lines for the healthy spread.
+            log.debug("kvpushd: %s: kv check: difference %.6g", request_id, difference)
+            checked(difference, difference <= self._tolerance)
+        for found in findings:
+            why = found.disagreement
+            log.error(
+                "kvpushd: %s: kv_mismatch: the KV pushed by prefill %s is not this engine's: "
+                "layer %d (%s), position %d differs by %.3g (tolerance %.3g): %s",
+                found.request_id,
+                found.plan.peer,
+                why.layer,
+                why.layer_name,
+                why.position,
+                why.difference,
+                why.tolerance,
+                "not served, vLLM recomputes or fails it"
+                if self._one_group
+                else "vLLM takes no load error for a running request of a model with several "
+                "KV cache groups: its first token was computed from this KV",
+            )
+            if self._one_group:
+                self._invalid.add(found.plan.first_block)
+        return findings
+
+    def load_errors(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid
 
 
 def _bounded(memory: dict[str, _V], bound: int) -> None:

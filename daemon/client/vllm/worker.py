@@ -26,7 +26,7 @@ from daemon import failpoints
 from daemon.client.kvfile import sweep_stale_kv_files
 from daemon.client.vllm import stats as vs
 from daemon.client.vllm.calls import DaemonCalls
-from daemon.client.vllm.kvcheck import Finding, KvCheckSettings, LoadChecks, Plan, Slot
+from daemon.client.vllm.kvcheck import KvCheckSettings, LoadChecks
 from daemon.client.vllm.layout import rank_fingerprint
 from daemon.client.vllm.loads import Load
 from daemon.client.vllm.memory import (
@@ -79,8 +79,6 @@ class WorkerSide:
         # and the checks under way once vLLM's memory is known (None: off).
         self._kv_check = kv_check
         self._checks: LoadChecks | None = None
-        # Blocks of loads whose KV is not this engine's, for vLLM to recompute.
-        self._invalid_blocks: set[int] = set()
         # Which KV cache groups hold recurrent state (Mamba/SSM), in group order.
         self._states = states
         # vLLM's block count (None: not told), to find each tensor's block dimension.
@@ -160,17 +158,7 @@ class WorkerSide:
         if self._kv_check is not None:
             # vLLM's own cache, not a staging mirror: what the forward reads and writes.
             names = self._group_layers or (tuple(parts),)
-            self._checks = LoadChecks(
-                tuple(
-                    tuple(
-                        (index, part, kv_caches[part])
-                        for index, part in enumerate(p for n in group for p in parts.get(n, ()))
-                    )
-                    for group in names
-                ),
-                self._kv_check.tolerance,
-                self._kv_check.as_values,
-            )
+            self._checks = LoadChecks.over(kv_caches, parts, names, self._kv_check)
         if any(len(names) > 1 for names in parts.values()):
             # Keys and values are layers of their own: a layer slice is no run of them.
             layer_ids = None
@@ -291,17 +279,8 @@ class WorkerSide:
             time.monotonic(),
             tuple(share.transfer_id for share in shares),
         )
-        if self._checks is not None and receive.check and receive.block_ids[0]:
-            self._checks.plan(
-                receive.request_id,
-                Plan(
-                    receive.position,
-                    tuple(Slot(*slot) for slot in receive.check),
-                    receive.block_ids[0][0],
-                    load.shares,
-                    receive.peer,
-                ),
-            )
+        if self._checks is not None:
+            self._checks.plan_load(receive, load.shares)
         for share in shares:
             self._receiving[share.transfer_id] = load
             self._link.spawn(self._calls.receive(share, generation))
@@ -371,65 +350,26 @@ class WorkerSide:
         return sending, receiving, failed
 
     def check_loads(self, metadata: KvpushdConnectorMetadata) -> None:
-        """After the forward: compare the K/V this step computed over loaded KV with the pushed.
+        """After the forward: compare the K/V it computed over loaded KV with the pushed.
 
-        A disagreement means the KV is not this engine's: vLLM recomputes
-        the request from its first loaded block and serves nothing of this
-        step's output for it (``invalid_block_ids``); the daemon journals
-        it and quarantines the pairing.
+        A disagreement (the KV is not this engine's) is a load error for
+        vLLM (``load_errors``) and a report to the daemon, which journals it
+        and quarantines the pairing.
         """
         if self._checks is None:
             return
-        if metadata.uncheck:
-            self._checks.drop(metadata.uncheck)
-        if not metadata.check:
-            return
-        findings, differences = self._checks.after_forward(metadata.check)
-        tolerance = self._kv_check.tolerance if self._kv_check is not None else 0.0
-        for request_id, difference in differences:
-            # bench/kv_check_spread.py reads these lines for the healthy spread.
-            log.debug("kvpushd: %s: kv check: difference %.6g", request_id, difference)
-            self.stats.checked(difference, difference <= tolerance)
-        for finding in findings:
-            self._mismatch(finding)
-
-    def _mismatch(self, finding: Finding) -> None:
-        why = finding.disagreement
-        log.error(
-            "kvpushd: %s: kv_mismatch: the KV pushed by prefill %s is not this engine's: "
-            "layer %d (%s), position %d differs by %.3g (tolerance %.3g): recomputed here",
-            finding.request_id,
-            finding.plan.peer,
-            why.layer,
-            why.layer_name,
-            why.position,
-            why.difference,
-            why.tolerance,
-        )
-        if self._kv_check is not None and self._kv_check.one_group:
-            self._invalid_blocks.add(finding.plan.first_block)
-        else:
-            log.error(
-                "kvpushd: %s: vLLM takes no load error for a running request of a model "
-                "with several KV cache groups: its first token was computed from this KV",
-                finding.request_id,
-            )
-        for share in finding.plan.shares:
-            self._link.spawn(
-                self._calls.mismatch(
-                    share,
-                    why.layer,
-                    why.position,
-                    why.difference,
-                    why.tolerance,
-                    f"layer {why.layer_name}; request {finding.request_id}",
+        for found in self._checks.after_step(metadata.check, metadata.uncheck, self.stats.checked):
+            why, detail = found.disagreement, f"layer {found.disagreement.layer_name}"
+            for share in found.plan.shares:
+                self._link.spawn(
+                    self._calls.mismatch(
+                        share, why.layer, why.position, why.difference, why.tolerance, detail
+                    )
                 )
-            )
 
     def load_errors(self) -> set[int]:
         """Blocks of loads found not this engine's since vLLM last asked."""
-        invalid, self._invalid_blocks = self._invalid_blocks, set()
-        return invalid
+        return self._checks.load_errors() if self._checks is not None else set()
 
     def _on_event(self, event: WorkerEvent) -> None:
         if isinstance(event, DaemonLost):
