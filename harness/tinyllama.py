@@ -166,6 +166,45 @@ def write_tinyllama(folder: Path, model: TinyLlama | None = None) -> Path:
     return folder
 
 
+LORA_RANK: Final = 8
+
+
+def write_lora(folder: Path, model: TinyLlama | None = None, seed: int = 0) -> Path:
+    """Write a PEFT LoRA adapter of ``model`` into ``folder``: rank 8 on the keys and values.
+
+    It changes the KV itself (a LoRA on the queries alone would not): two
+    seeds give two adapters a decode must not mix. ``lora_B`` is drawn,
+    not zero as PEFT starts it, with the gain of the base projection, so
+    the adapter moves the tokens. vLLM serves it with ``--enable-lora
+    --max-lora-rank 8 --lora-modules NAME=FOLDER``.
+    """
+    model = model or TinyLlama()
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    kv_out = model.num_key_value_heads * model.head_dim
+    tensors = {}
+    for i in range(model.num_hidden_layers):
+        for proj in ("k_proj", "v_proj"):
+            name = f"base_model.model.model.layers.{i}.self_attn.{proj}"
+            a = torch.randn(LORA_RANK, model.hidden_size, generator=gen)
+            b = torch.randn(kv_out, LORA_RANK, generator=gen)
+            tensors[f"{name}.lora_A.weight"] = a / math.sqrt(model.hidden_size)
+            tensors[f"{name}.lora_B.weight"] = b * _GAINS[proj] / math.sqrt(LORA_RANK)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": LORA_RANK,
+        "lora_alpha": LORA_RANK,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": ["k_proj", "v_proj"],
+        "base_model_name_or_path": "tiny",
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_safetensors(folder / "adapter_model.safetensors", tensors)
+    return folder
+
+
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """float32 tensors into one safetensors file, sorted by name."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}

@@ -563,7 +563,7 @@ def kvpushd_pd(
     prefill_server_env: dict[str, str] | None = None,
     prefill_extra_config: dict[str, Any] | None = None,
     hosts: Any = None,
-    between_starts: Callable[[], None] | None = None,
+    between_starts: Callable[[VllmServer], None] | None = None,
     **decode_config: Any,
 ) -> Iterator[tuple[VllmServer, VllmServer, Any, Any]]:
     """A prefill/decode pair through kvpushd: two daemons (no ``[[peers]]``), two servers.
@@ -594,9 +594,9 @@ def kvpushd_pd(
     :class:`daemon.sim.hosts.Hosts` with hosts ``router``, ``prefill`` and
     ``decode``) puts each daemon and its server on its own host, UCX over
     TCP, and makes this process's calls to the servers from the router
-    host; ``between_starts`` runs once the prefill server is healthy and
-    before the decode server starts (a checkpoint rewritten in place between
-    the two, as a rolling upgrade does); the shared-memory
+    host; ``between_starts`` runs with the prefill server once it is
+    healthy and before the decode server starts (a checkpoint or an adapter
+    rewritten in place between the two, as a rolling upgrade does); the shared-memory
     segments servers of several ranks leave behind are removed after.
     The decode daemon dials the prefill's on demand. On exit the servers
     stop, then both daemons (one killed by the caller stays killed); a daemon
@@ -649,7 +649,7 @@ def kvpushd_pd(
             with running(p, d):
                 yield p, d, prefill, decode
         else:
-            with running(p), _then(between_starts), running(d):
+            with running(p), _then(lambda: between_starts(p)), running(d):
                 yield p, d, prefill, decode
     finally:
         codes = {

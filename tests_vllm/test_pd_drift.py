@@ -1,4 +1,4 @@
-"""Two instances that drifted apart where no field looks: caught by what the decode computes.
+"""Two instances that drifted apart where no field looks: never a wrong token.
 
 A rolling upgrade rewrites a fine-tune's checkpoint in place: the prefill
 started on the old weights, the folder then got other weights (same config,
@@ -12,6 +12,14 @@ prompt (``kv_load_failure_policy=recompute``), and the client gets the
 decode's own tokens. Both journals hold ``kv_mismatch``; the prefill daemon
 quarantines the pairing, so the next request of it is refused before a byte
 moves (computed locally, no forward at risk) until an operator clears it.
+
+A LoRA adapter rewritten in place (same name, same path, other weights on
+the decode) is the same drift for an adapter: vLLM keys an adapter's blocks
+by its name and path only, so before it served wrong tokens for every
+loaded prompt. Whichever check sees it first (the adapter's content in the
+block hashes refuses the pairing before a byte moves; the decode's own K/V
+catches what loads), the client gets the decode's own tokens and the
+prefill's journal names why.
 """
 
 from __future__ import annotations
@@ -23,10 +31,10 @@ from pathlib import Path
 import pytest
 
 from daemon.sim.launcher import Daemon, wait_idle
-from harness.tinyllama import TinyLlama, write_tinyllama
+from harness.tinyllama import LORA_RANK, TinyLlama, write_lora, write_tinyllama
 from harness.vllm_router import prefill_leg
 from harness.vllm_servers import VllmServer, kvpushd_pd
-from schemas.events import KvMismatch
+from schemas.events import Failed, KvMismatch, WriteStarted
 
 TOKENS = 8
 PD = tuple[VllmServer, VllmServer, Daemon, Daemon]
@@ -37,7 +45,7 @@ CHECKS = "vllm:kvpushd_kv_checks_total"
 def rewritten_pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
     folder = write_tinyllama(tmp_path_factory.mktemp("rolling"))
 
-    def upgrade_in_place() -> None:
+    def upgrade_in_place(_: VllmServer) -> None:
         write_tinyllama(folder, TinyLlama(seed=1))
 
     with kvpushd_pd(
@@ -92,3 +100,49 @@ def test_a_quarantined_pairing_is_computed_without_a_forward_at_risk(rewritten_p
     # Refused at the pairing: nothing loaded, so nothing left to check.
     assert _checks(d, "kv_mismatch") + _checks(d, "agree") == checked
     wait_idle(prefill, decode)
+
+
+@pytest.fixture(scope="module")
+def adapter_pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
+    adapter = write_lora(tmp_path_factory.mktemp("adapter"), seed=0)
+    lora = ["--enable-lora", "--max-lora-rank", str(LORA_RANK), "--lora-modules", f"a={adapter}"]
+
+    def upgrade_in_place(p: VllmServer) -> None:
+        # vLLM loads an adapter on its first use: the prefill holds the old one.
+        p.complete([5, 6, 7], 1, model="a")
+        write_lora(adapter, seed=1)
+
+    with kvpushd_pd(
+        tiny_model,
+        tmp_path_factory.mktemp("pd-adapter"),
+        prefill_args=lora,
+        decode_args=lora,
+        between_starts=upgrade_in_place,
+        kv_load_failure_policy="recompute",
+    ) as pd:
+        yield pd
+
+
+def test_a_lora_adapter_rewritten_in_place_serves_no_wrong_token(adapter_pd: PD) -> None:
+    p, d, prefill, decode = adapter_pd
+    rng = random.Random(49)
+    for length in (70, 130):
+        prompt = [rng.randrange(2, 512) for _ in range(length)]
+        own = d.complete(prompt, TOKENS, model="a").token_ids
+        # The oracle can tell: the two instances' adapters differ, their base does not.
+        assert p.complete(prompt, TOKENS, model="a").token_ids != own
+        assert p.complete(prompt, TOKENS).token_ids == d.complete(prompt, TOKENS).token_ids
+        answer = p.complete(prompt, 1, model="a", kv_transfer_params={"do_remote_decode": True})
+        sent = dict(answer.raw["kv_transfer_params"])
+        served = d.complete(prompt, TOKENS, model="a", kv_transfer_params=sent).token_ids
+        assert served == own, length
+        wait_idle(prefill, decode)
+        events = prefill.journal_events(sent["kvpushd_transfer_id"])
+        # Refused before any write, or written and then caught by the decode's own K/V.
+        refused = [
+            e
+            for e in events
+            if isinstance(e, Failed) and not any(isinstance(w, WriteStarted) for w in events)
+        ]
+        caught = [e for e in events if isinstance(e, KvMismatch)]
+        assert refused or caught, events

@@ -295,11 +295,16 @@ def test_the_connectors_stats_reach_vllms_metrics(pd: PD) -> None:
     def staged(server: VllmServer, direction: str) -> float:
         return server.metrics().total("vllm:kvpushd_staged_bytes_total", direction=direction)
 
+    def checks(result: str) -> float:
+        return d.metrics().total("vllm:kvpushd_kv_checks_total", result=result)
+
     pushed, loaded, by_prompt = ended(p, "pushed"), ended(d, "loaded"), not_loaded("prompt")
     refused = ended(p, "failed:content_mismatch")
     out, into = staged(p, "out"), staged(d, "in")
     nbytes = d.metrics().total("vllm:kvpushd_loaded_bytes_total")
     timed = d.metrics().total("vllm:kvpushd_load_seconds_count")
+    agreed, mismatched = checks("agree"), checks("kv_mismatch")
+    differences = d.metrics().total("vllm:kvpushd_kv_check_difference_count")
     prompt = [rng.randrange(2, 512) for _ in range(100)]
     single = p.complete(prompt, TOKENS).token_ids
     sent = prefill_leg(p, prompt)
@@ -313,10 +318,14 @@ def test_the_connectors_stats_reach_vllms_metrics(pd: PD) -> None:
         ended(p, "pushed") < pushed + 1
         or ended(p, "failed:content_mismatch") < refused + 1
         or not_loaded("prompt") < by_prompt + 1
+        or checks("agree") < agreed + 1
     ):
         assert time.monotonic() < deadline, "the connector's stats did not reach /metrics"
         time.sleep(0.2)
     assert ended(d, "loaded") == loaded + 1
+    # The load was checked by the decode's own K/V of the last token, and agreed.
+    assert checks("agree") == agreed + 1 and checks("kv_mismatch") == mismatched
+    assert d.metrics().total("vllm:kvpushd_kv_check_difference_count") == differences + 1
     assert d.metrics().total("vllm:kvpushd_load_seconds_count") == timed + 1
     # The bytes the prefill daemon journaled for the write. (Not the decode's
     # record: a receiver that hears the data land before the pusher's
