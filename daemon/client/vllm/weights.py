@@ -79,24 +79,20 @@ def _canonical(name: str) -> str:
 def _sample(tensor: torch.Tensor, samples: int) -> torch.Tensor:
     """The bytes of ``samples`` evenly spaced elements of ``tensor`` (all of a smaller one), uint8.
 
-    Read through a uint8 view, so any dtype (fp8, packed integers) samples
-    alike, and indexed in place: nothing the size of the tensor is copied
-    (but for a tensor whose last dimension is not contiguous).
+    Read through a flat uint8 view, so any dtype (fp8, packed integers)
+    samples alike, in place: nothing the size of the tensor is copied (but
+    for a tensor not contiguous in memory, which vLLM's parameters are).
     """
-    if tensor.dim() == 0:
-        tensor = tensor.reshape(1)
-    if tensor.stride(-1) != 1:
+    if not tensor.is_contiguous():
         tensor = tensor.contiguous()
     count = tensor.numel()
     taken = min(samples, count)
+    width = tensor.element_size()
     # Integer arithmetic: the same positions in every process.
     flat = torch.arange(taken, dtype=torch.int64) * (count - 1) // max(taken - 1, 1)
-    coords = torch.unravel_index(flat, tensor.shape)
-    width = tensor.element_size()
-    raw = tensor.view(torch.uint8)  # the last dimension's elements as ``width`` bytes each
-    lead = tuple(c.to(tensor.device)[:, None] for c in coords[:-1])
-    last = coords[-1][:, None] * width + torch.arange(width, dtype=torch.int64)
-    return raw[(*lead, last.to(tensor.device))].reshape(-1)
+    offsets = (flat[:, None] * width + torch.arange(width, dtype=torch.int64)).reshape(-1)
+    raw = tensor.reshape(-1).view(torch.uint8)
+    return raw.index_select(0, offsets.to(tensor.device))
 
 
 def model_digest(model: Any) -> str:
