@@ -19,7 +19,13 @@ came):
   block index of the first block named, then each block's hash, 16 hex
   digits apiece, in the registration's block order), ``POSITION.`` for a
   group that names no block, or ``-`` for a group whose blocks carry no
-  token hash (SSM state);
+  token hash (never checked);
+- a state group (Mamba/SSM: one block, the state after every token it
+  took) is a block-hash field like any other: the last prompt block its
+  state took and that block's chain hash, which covers every token before
+  it, so two states pair only if they took the same tokens. Connectors
+  before issue 47 named a state ``-``: still read, and left unchecked (the
+  form did not change, so no version: a daemon of either age reads both);
 - anything else: a name (a prompt digest) the two sides must name alike.
 """
 
@@ -49,7 +55,7 @@ class GroupHashes:
     hashes: tuple[str, ...]
 
 
-# None: a group whose blocks carry no token hash (SSM state).
+# None: a group whose blocks carry no token hash (``-``: a state, from older connectors).
 BlockHashes = tuple[GroupHashes | None, ...]
 
 

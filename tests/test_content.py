@@ -159,7 +159,7 @@ def test_a_prefill_pushes_only_the_prompts_blocks() -> None:
         prompt_blocks(([1], [2]), (0,), 1)
 
 
-def test_a_state_group_pushes_its_running_state_and_names_no_token() -> None:
+def test_a_state_group_pushes_its_running_state_named_by_the_tokens_it_took() -> None:
     """A Mamba group holds one state block per request: the last, whatever the prompt's length."""
     count = prompt_block_count(99, 32)
     groups = ([41], [42], [7, 8, 9, 10, 11])
@@ -170,8 +170,52 @@ def test_a_state_group_pushes_its_running_state_and_names_no_token() -> None:
     assert prompt_blocks(([],), (0,), 1, (True,)) == ((0, ()),)
     hashes = [f"{i:016x}" for i in range(count)]
     wire = content(named, hashes, (True, True, False))
-    assert wire == "bh1:-/-/0." + "".join(hashes)
-    assert decode("r", wire) == (None, None, GroupHashes(0, tuple(hashes)))
+    # Each state: the last prompt block and its chain hash (every token the state took).
+    last = f"{count - 1}.{hashes[-1]}"
+    assert wire == f"bh1:{last}/{last}/0." + "".join(hashes)
+    state = GroupHashes(count - 1, (hashes[-1],))
+    assert decode("r", wire) == (state, state, GroupHashes(0, tuple(hashes)))
+    # A state group that names no block names no hash.
+    assert content(((0, ()),), hashes, (True,)) == "bh1:0."
+    check_counts("r", wire, (1, 1, count))
+    # The form connectors before issue 47 sent for a state ("-") is still read, unchecked.
+    check_pairing("r", "bh1:-", "bh1:-")
+    check_pairing("r", "bh1:-", wire.split("/")[0])
+
+
+MAMBA_ONLY = (True,)
+
+
+@given(
+    st.lists(st.integers(0, 511), min_size=1, max_size=300),
+    st.sampled_from([32, 1024]),
+    st.integers(0, 299),
+    st.integers(-2, 2),
+)
+def test_a_state_pairs_only_with_the_state_of_the_same_tokens(
+    tokens: list[int], block: int, changed: int, grown: int
+) -> None:
+    """A Mamba-only model: nothing but the state names the prompt, and it refuses another one.
+
+    The prefill's state took its prompt but the last token, and the decode
+    loads exactly that state: the two sides hash the same tokens. Another
+    token anywhere, or another length (a prompt of 1024 tokens and less is
+    one block at block size 1024), is refused; the same tokens pair.
+    """
+    named = ((0, (41,)),)
+    prefill = content(named, _chain(tokens, block), MAMBA_ONLY)
+    check_pairing("r", prefill, content(((0, (7,)),), _chain(tokens, block), MAMBA_ONLY))
+    other = list(tokens)
+    other[changed % len(tokens)] = (other[changed % len(tokens)] + 1) % 512
+    longer = tokens + [3] * grown if grown > 0 else tokens[: len(tokens) + grown]
+    for decode_tokens in (other, longer):
+        if decode_tokens == tokens or not decode_tokens:
+            continue
+        decode_side = content(((0, (7,)),), _chain(decode_tokens, block), MAMBA_ONLY)
+        with pytest.raises(TrimRefused) as refused:
+            check_pairing("r", prefill, decode_side)
+        assert refused.value.reason is Reason.CONTENT_MISMATCH
+        assert "group 0: " in str(refused.value)
 
 
 class _Block:

@@ -14,8 +14,8 @@ The oracle: the prefill instance asked alone (no prefix cache to hit).
 Both daemons check every write end to end (``verify = "all"``). The
 negative control: the decode's first load names its two state blocks the
 other way round (``connector.swap_states``): each Mamba layer starts from
-the other's state, which no block hash can see (a state names no token),
-and the tokens change.
+the other's state, which no block hash can see (both states took the same
+tokens), and the tokens change.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from split_pairs import TOKENS, Shape, Side, split_pair
 from daemon.sim.launcher import wait_idle
 from harness.tinynemotron import write_tinynemotron
 from harness.vllm_router import prefill_leg, route_concurrent
-from schemas.events import Registered, Released, WriteDone
+from schemas.events import Failed, Registered, Released, WriteDone, WriteStarted
+from schemas.reasons import Reason
 
 EXTERNAL_TOKENS = "vllm:prompt_tokens_by_source_total"
 NO_PREFIX_CACHE = ("--no-enable-prefix-caching",)
@@ -110,17 +111,38 @@ def test_both_legs_at_once_and_a_one_token_prompt(mamba_pair: list[Side]) -> Non
         # A 1-token prompt has no state before its last token: the decode computes it.
         assert loaded == max(length - 1, 0), (length, loaded)
         wait_idle(prefill, decode, timeout=10)
-    # A router that sends the decode another prompt (the same first half): the
-    # daemon refuses the pairing (the block hashes differ), the load fails, and
-    # vLLM computes the decode's prompt from its first token, state included.
+
+
+def test_both_legs_at_once_with_another_prompt_on_the_decode_is_refused_by_the_state(
+    mamba_pair: list[Side],
+) -> None:
+    """A router sends the decode another prompt (the same first half), both legs at once.
+
+    The decode has no prefill answer to compare (no digest): the prefill
+    daemon's pairing check is the only one. Each state group names the
+    chain hash of the tokens its state took, and the model's first group is
+    a state: the refusal names it (before issue 47 a state was named ``-``,
+    unchecked, and only the attention group, group 2, refused this). The
+    load fails and vLLM computes the decode's prompt, state included.
+    """
+    (p, prefill), (d, decode) = mamba_pair
+    rng = random.Random(38)
     prompt = [rng.randrange(2, 512) for _ in range(120)]
     other = prompt[:60] + [rng.randrange(2, 512) for _ in range(60)]
+    single = d.complete(other, TOKENS).token_ids
+    assert single == p.complete(other, TOKENS).token_ids
     address = f"127.0.0.1:{prefill.port}"
     routed = route_concurrent(
         p, d, prompt, TOKENS, prefill_node=prefill.node, prefill_address=address,
         decode_prompt=other,
     )  # fmt: skip
-    assert routed.token_ids == p.complete(other, TOKENS).token_ids
+    assert routed.token_ids == single
     wait_idle(prefill, decode, timeout=10)
-    kinds = [type(e) for e in decode.journal_events(str(routed.params["transfer_id"]))]
+    transfer = str(routed.params["transfer_id"])
+    kinds = [type(e) for e in decode.journal_events(transfer)]
     assert kinds and WriteDone not in kinds and kinds[-1] is Released, kinds
+    events = prefill.journal_events(transfer)
+    (failed,) = [e for e in events if isinstance(e, Failed)]
+    assert failed.reason is Reason.CONTENT_MISMATCH, failed
+    assert failed.message.startswith("group 0: "), failed  # a Mamba layer's state
+    assert not [e for e in events if isinstance(e, WriteStarted)]

@@ -139,16 +139,28 @@ def ids_of(named: Sequence[Named]) -> Blocks:
 def content(named: Sequence[Named], hashes: Sequence[str], states: Sequence[bool] = ()) -> str:
     """The registration's content: each named block's hash (``hashes``: one per prompt block).
 
-    A state group's block holds no token positions: it is named unhashed
-    (``-``) and paired by the SSM rule alone; the prompt it is the state of
-    is proven by the attention groups' hashes and the prompt's digest.
+    A state group's block (Mamba/SSM) holds the state after every hashed
+    token: it is named as the last prompt block, with that block's chain
+    hash (the hash of every token the state consumed), so the daemon pairs
+    it as it pairs an attention block, and two prompts' states differ
+    whatever else the model has (a Mamba-only model, both legs at once).
     """
     return encode(
         tuple(
-            None if state else GroupHashes(first, tuple(hashes[first : first + len(ids)]))
+            _state(ids, hashes)
+            if state
+            else GroupHashes(first, tuple(hashes[first : first + len(ids)]))
             for (first, ids), state in zip(named, _kinds(states, len(named)), strict=True)
         )
     )
+
+
+def _state(ids: Sequence[int], hashes: Sequence[str]) -> GroupHashes:
+    """A state group's name: the last prompt block, the chain hash of the tokens its state took."""
+    if not ids:
+        return GroupHashes(0, ())
+    # No token hashed (never sent: a load needs one): the state of no token.
+    return GroupHashes(max(len(hashes) - 1, 0), (hashes[-1] if hashes else "0" * HASH_HEX,))
 
 
 def block_hashes(request: Any, block_size: int, count: int, length: int | None = None) -> list[str]:
