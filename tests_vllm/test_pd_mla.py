@@ -102,3 +102,16 @@ def test_tp1_to_tp2_the_prefill_rank_writes_each_decode_rank_whole(
         engines = load_split_across_ranks(one, two, prompt, ("@tp0", "@tp1"), decode_tp=2)
         # One prefill engine (no slice: the latent is whole on each rank), two decode ranks.
         assert len(engines.prefill) == 1 and len(engines.decode) == 2, engines
+
+
+def test_no_rope_warning_where_vllms_own_rope_is_started(mla_sides: list[Side]) -> None:
+    """Every server here runs with ``custom_ops: -rotary_embedding``: the connector says nothing.
+
+    Without it the scheduler side logs one line naming the flag and
+    docs/mla-on-vllm-cpu.md (tests/test_mla_rope_warning.py, and
+    tests_vllm/test_mla_rope_warning_vllm.py on vLLM's resolved config).
+    """
+    for server, _ in mla_sides:
+        log = server.log.read_text(errors="replace")
+        assert "kvpushd: engine " in log  # the connector's own lines reach this log
+        assert "custom_ops: -rotary_embedding" not in log

@@ -30,7 +30,13 @@ from daemon.client.vllm import stats as vs
 from daemon.client.vllm.guard import Swallowed, bound
 from daemon.client.vllm.inputs import counts_inputs
 from daemon.client.vllm.kvcheck import KvCheckSettings, tolerance_for, values_dtype
-from daemon.client.vllm.layout import check_supported, fingerprint, group_states, group_windows
+from daemon.client.vllm.layout import (
+    check_supported,
+    fingerprint,
+    group_states,
+    group_windows,
+    mla_rope_warning,
+)
 from daemon.client.vllm.metadata import KvpushdConnectorMetadata
 from daemon.client.vllm.scheduler import HOLD_EVERY_S, SchedulerSide
 from daemon.client.vllm.sharedmemory import kv_memory
@@ -88,6 +94,10 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role is KVConnectorRole.SCHEDULER:
+            # Once per instance (its one scheduler): where vLLM itself computes wrong.
+            rope_warning = mla_rope_warning(vllm_config)
+            if rope_warning is not None:
+                log.warning(rope_warning)
             self._scheduler = SchedulerSide(
                 self._node,
                 self._address,

@@ -14,6 +14,8 @@ never imports vLLM, so it is tested without it):
   windows (client.vllm.hashes.prompt_blocks moves a sliding-window group's blocks
   inside its window only), and which prompts a decode cannot load (a window
   the prefill no longer holds whole).
+- :func:`mla_rope_warning`: an MLA model on vLLM's CPU build with its
+  stock rotary op, which vLLM itself computes wrong (a line at start-up).
 - :func:`fingerprint`: what produced this instance's KV. The worker
   registers its engine with it, the prefill scheduler sends it in
   ``kv_transfer_params``, and the decode scheduler loads remote KV only when
@@ -67,6 +69,8 @@ HYBRID_KINDS: Final = frozenset({FULL_ATTENTION, SLIDING_WINDOW, MAMBA})
 # off). "align" and "all" keep checkpoints at block boundaries, which no
 # pairing here names.
 MAMBA_CACHE_MODE: Final = "none"
+# vLLM's custom op whose CPU kernel mis-rotates MLA (mla_rope_warning).
+ROTARY_OP: Final = "rotary_embedding"
 # Prompt tokens a decode computes itself on a model with recurrent state: the
 # last. The prefill computes the prompt without it and hands over the state
 # after the rest; the decode applies the last token once (applied on both
@@ -165,6 +169,44 @@ def _check_state(groups: Sequence[Any], tp_size: int) -> None:
             f"instance with --tensor-parallel-size 1 (data parallel is served), or use "
             f"another KV connector"
         )
+
+
+def mla_rope_warning(vllm_config: Any) -> str | None:
+    """The start-up line for an MLA model that vLLM's CPU build computes wrong, or None.
+
+    vLLM's CPU rotary op (``RotaryEmbedding.forward_cpu``, run while the
+    ``rotary_embedding`` custom op is enabled) takes MLA's strided 3-D query
+    and rope-key views for 2-D ones: a token's rotation depends on how the
+    forward pass batches it, so a P/D decode (the last prompt token computed
+    alone) differs from a single instance whatever the KV
+    (docs/mla-on-vllm-cpu.md). vLLM's pure-torch rope is right.
+    """
+    model = getattr(vllm_config, "model_config", None)
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+    compilation = getattr(vllm_config, "compilation_config", None)
+    if not getattr(model, "use_mla", False) or str(device) != "cpu":
+        return None
+    if not custom_op_enabled(getattr(compilation, "custom_ops", None) or (), ROTARY_OP):
+        return None
+    return (
+        "KvpushdConnector: this MLA model runs vLLM's CPU rotary op, which mis-rotates MLA's "
+        "query and rope key: its tokens depend on the batch, and P/D tokens differ from a "
+        "single instance's whatever the KV; start every instance with vLLM's own rope "
+        "(custom_ops: -rotary_embedding: --compilation-config "
+        '\'{"custom_ops": ["all", "-rotary_embedding"]}\'; docs/mla-on-vllm-cpu.md)'
+    )
+
+
+def custom_op_enabled(custom_ops: Sequence[str], name: str) -> bool:
+    """Whether vLLM runs its custom op ``name`` (vLLM's ``CustomOp.enabled``, by its rule).
+
+    ``+name`` enables it, ``-name`` disables it, otherwise the base mode
+    says: on under ``all``, off under ``none`` (vLLM adds one of the two
+    when it resolves its config: ``none`` when Inductor compiles).
+    """
+    if f"-{name}" in custom_ops:
+        return False
+    return f"+{name}" in custom_ops or "none" not in custom_ops or "all" in custom_ops
 
 
 def group_states(kv_cache_config: Any) -> tuple[bool, ...]:
