@@ -11,17 +11,20 @@ both sides.
 
 The content is BLAKE2b-128 over the adapter's weight and config files (what
 vLLM's LoRA loader reads: ``adapter_*`` and ``new_embeddings*``; every file
-of a folder that has none of them), by name, size and bytes. Read once per
-path and file identity (name, size, mtime, inode: a rewrite in place, or a
-new file renamed over the old, changes one of them) and cached, at most
-:data:`MAX_CACHED` adapters. A path that is not a local folder or file (a
-hub id vLLM downloads) or cannot be read adds no key: vLLM's name and path
-alone, and the decode's own K/V check (kvcheck.py) behind them.
-
-What this reads is the files as they are when a request is hashed: an
-instance that loaded an adapter before its files were rewritten holds the
-old weights under the new files' digest until vLLM loads it again (the
-behavioural check is the line there).
+of a folder that has none of them), by name, size and bytes. It is read
+when this instance first sees the adapter (its name, vLLM's integer id and
+its path), which is when vLLM loads it (the worker loads an adapter for the
+first request that names it), and kept for as long as the instance knows
+the adapter under that id, at most :data:`MAX_CACHED` adapters: the digest
+names the weights the instance loaded, not the files as they are now. An
+instance that loaded an adapter before a rolling upgrade rewrote its files
+in place keeps naming the old weights, which it still holds, so a decode
+that started on the new ones never pairs with it. (Read at hash time, the
+old instance named the new files' digest while computing with the old
+weights, and paired.) A path that is not a local folder or file (a hub id
+vLLM downloads) or cannot be read adds no key: vLLM's name and path alone,
+and the decode's own K/V check (kvcheck.py) behind them, as it is behind an
+adapter vLLM evicted and loaded again from rewritten files.
 
 Pure: no vLLM, no torch (a request's ``lora_request`` is read by attribute).
 """
@@ -42,8 +45,8 @@ MAX_CACHED: Final = 64
 _PREFIXES: Final = ("adapter_", "new_embeddings")
 _CHUNK: Final = 1 << 20
 
-Identity = tuple[tuple[str, int, int, int], ...]  # (name, size, mtime_ns, inode) per file
-_cache: dict[tuple[str, Identity], str] = {}
+# (name, vLLM's integer id, path) -> the digest read when this instance first saw it.
+_cache: dict[tuple[str, int, str], str] = {}
 
 
 def adapter_key(request: Any) -> tuple[str, str] | None:
@@ -52,25 +55,20 @@ def adapter_key(request: Any) -> tuple[str, str] | None:
     path = getattr(lora, "lora_path", None) or getattr(lora, "path", None)
     if not path:
         return None
-    digest = adapter_digest(str(path))
+    seen = (str(getattr(lora, "lora_name", "")), int(getattr(lora, "lora_int_id", 0)), str(path))
+    digest = _cache.get(seen)
+    if digest is None:
+        digest = adapter_digest(str(path))
+        while len(_cache) >= MAX_CACHED:
+            del _cache[next(iter(_cache))]
+        _cache[seen] = digest
     return (TAG, digest) if digest else None
 
 
 def adapter_digest(path: str) -> str:
     """The content digest of the adapter at ``path`` (hex; "": not local, or unreadable)."""
     try:
-        files = _files(Path(path))
-        identity: Identity = tuple(
-            (f.name, st.st_size, st.st_mtime_ns, st.st_ino) for f, st in files
-        )
-        key = (path, identity)
-        cached = _cache.get(key)
-        if cached is None:
-            cached = _digest(files)
-            while len(_cache) >= MAX_CACHED:
-                del _cache[next(iter(_cache))]
-            _cache[key] = cached
-        return cached
+        return _digest(_files(Path(path)))
     except OSError as exc:
         log.warning(
             "kvpushd: LoRA adapter %s not read (%s): keyed by name and path only", path, exc
