@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from schemas.config import DEFAULT_LISTEN, Config
+from schemas.state import Deadlines
 
 # sun_path is 108 bytes on Linux, the terminating NUL included.
 MAX_SOCKET_PATH_BYTES = 107
@@ -68,7 +69,7 @@ def _check(config: Config) -> None:
             f"socket: {config.socket!r} is longer than the {MAX_SOCKET_PATH_BYTES} bytes "
             f"a Unix socket path may have; choose a shorter path"
         )
-    for name in ("registered", "trimmed", "writing", "done", "failed", "held", "unclaimed"):
+    for name in Deadlines.__struct_fields__:  # every deadline, ``answered`` too
         if getattr(config.deadlines, name) <= 0:
             raise ConfigError(f"deadlines.{name}: must be > 0 seconds")
     if config.heartbeat_s <= 0 or config.peer_ttl_s <= config.heartbeat_s:

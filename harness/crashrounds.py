@@ -207,10 +207,18 @@ class CrashEngine(SimEngine):
         peer_address: str = "",
         *,
         content: str = "",
+        answered: bool = False,
     ) -> Any:
         try:
             return await super()._register(
-                request_id, incarnation, blocks, peer, live, peer_address, content=content
+                request_id,
+                incarnation,
+                blocks,
+                peer,
+                live,
+                peer_address,
+                content=content,
+                answered=answered,
             )
         except ConnectionLost:
             # The daemon may have journaled the registration before it died:

@@ -82,6 +82,9 @@ class Registered(_RequestEvent, frozen=True, tag="registered"):
     # What the blocks hold, as the engine names it (e.g. a digest of the
     # prompt's token ids); "" when it names nothing.
     content: str = ""
+    # Receiver only: registered from the prefill's answer (the prefill
+    # finished the request), not with its leg (rpc.RegisterRequest.answered).
+    answered: bool = False
 
 
 class PeerRegistered(_RequestEvent, frozen=True, tag="peer_registered"):
@@ -95,6 +98,9 @@ class PeerRegistered(_RequestEvent, frozen=True, tag="peer_registered"):
     fingerprint: Fingerprint | None = None
     # What the receiver's engine said its blocks are for (Registered.content).
     content: str = ""
+    # The receiver registered from the prefill's answer: pending, it waits
+    # ``[deadlines] answered`` for the push, not ``registered``.
+    answered: bool = False
 
 
 class KvReady(_RequestEvent, frozen=True, tag="kv_ready"):

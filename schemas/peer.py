@@ -97,6 +97,9 @@ class Forward(_Peer, frozen=True, tag="forward"):
     fingerprint: Fingerprint | None = None
     # What the decode engine said its blocks are for (Registered.content).
     content: str = ""
+    # Registered from the prefill's answer (Registered.answered); an older
+    # daemon neither sends nor reads it (False: the receiver waits as before).
+    answered: bool = False
 
 
 class Writing(_Peer, frozen=True, tag="writing"):

@@ -132,5 +132,8 @@ FAILURE_REASONS: frozenset[Reason] = frozenset(
         Reason.STALE_INCARNATION,
         Reason.BLOCK_OUT_OF_RANGE,
         Reason.ILLEGAL_TRANSITION,
+        # A receiver registered from a prefill's answer naming a transfer that
+        # prefill never had: failed pending, at its ``answered`` deadline.
+        Reason.UNKNOWN_REQUEST,
     }
 )

@@ -70,7 +70,8 @@ class RegisterEngine(_Request, frozen=True, tag="register_engine", omit_defaults
     memory_note: MemoryNote | None = None
 
 
-class RegisterRequest(_Request, frozen=True, tag="register_request"):
+# omit_defaults: a registration that is not ``answered`` is one an older daemon reads.
+class RegisterRequest(_Request, frozen=True, tag="register_request", omit_defaults=True):
     """Register one request; ``blocks`` are logical block ids per group.
 
     Receiver (decode side): the blocks still to fill, and ``peer`` names the
@@ -94,6 +95,13 @@ class RegisterRequest(_Request, frozen=True, tag="register_request"):
     # ids), up to 128 characters: a push pairs only equal ones, where both
     # sides name one (``content_mismatch`` otherwise). "": not named.
     content: str = ""
+    # Receiver only: registered from the prefill's answer, so the prefill
+    # finished the request and its engine registers the push within a step
+    # or two. The prefill daemon then waits ``[deadlines] answered`` for it
+    # (a transfer it never had fails ``unknown_request`` that soon), not
+    # ``registered``. False: a leg sent with the prefill's (it may not have
+    # started). Ignored on a pusher.
+    answered: bool = False
 
 
 class KvReady(_Request, frozen=True, tag="kv_ready"):

@@ -44,6 +44,13 @@ class Deadlines(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # blocks this long, not a whole ``registered`` deadline. A decode
     # request queued for blocks holds the push (``held`` bounds that).
     unclaimed: float = 5.0
+    # The longest a receiver's registration made from a prefill's answer
+    # (``PeerRegistered.answered``: the prefill finished the request, so its
+    # engine registers the push within a step or two) waits here for that
+    # push (at most ``registered``): a transfer id this prefill never had
+    # (a stale or forged answer) fails ``unknown_request`` this soon, not at
+    # ``registered``. A receiver sent with the prefill's leg keeps ``registered``.
+    answered: float = 2.0
 
     def for_state(self, state: State) -> float:
         return getattr(self, state.value)
@@ -81,6 +88,9 @@ class RequestRecord(msgspec.Struct, frozen=True):
     # receiver's are for: a push pairs only equal ones where both are named.
     content: str = ""
     remote_content: str = ""
+    # Receiver side: registered from the prefill's answer (Registered.answered),
+    # said again in every forward.
+    answered: bool = False
 
 
 class PendingPeer(msgspec.Struct, frozen=True):

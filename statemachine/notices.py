@@ -212,6 +212,7 @@ def forward(record: RequestRecord, layout: EngineLayout | None) -> pm.Forward:
         per_logical,
         fingerprint,
         record.content,
+        record.answered,
     )
 
 

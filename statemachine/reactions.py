@@ -14,7 +14,9 @@ A receiver's registration that reached the pusher before the pusher's own
 engine registered is a *pending* registration (``Registry.pending``): not yet a
 request, it has no state. Its rules are the ``PENDING`` rows of
 ``PENDING_REACTIONS``: it is joined by the engine's registration, or failed
-and tombstoned (cancelled, peer dead, deadline, restart).
+and tombstoned (cancelled, peer dead, deadline, restart). One registered
+from the prefill's answer has a short deadline (``Registry.pending_due``),
+and its failure says this prefill never had the transfer (:func:`never_had`).
 """
 
 from __future__ import annotations
@@ -372,6 +374,23 @@ def react_pending(
     """The events that end a pending registration (empty: it stays pending)."""
     if stimulus not in PENDING_REACTIONS:
         return []
-    why = why or _PENDING_WHY.get(stimulus, Why())
     reg = pending.registration
+    if why is None and stimulus is Stimulus.DEADLINE and reg.answered:
+        why = never_had(reg.request_id)
+    why = why or _PENDING_WHY.get(stimulus, Why())
     return [Failed(reg.request_id, reg.incarnation, why.reason, why.message, settled=True)]
+
+
+def never_had(request_id: str) -> Why:
+    """Why a receiver registered from the prefill's answer failed pending: no such push here.
+
+    The prefill engine finished the request before it answered, so it
+    registers its push within a step or two; one that has not within
+    ``[deadlines] answered`` was never this prefill's (a stale or forged
+    answer, another prefill's transfer id).
+    """
+    return Why(
+        Reason.UNKNOWN_REQUEST,
+        f"the answer names transfer {request_id}, which this prefill never had "
+        f"(no engine here registered its push)",
+    )

@@ -270,16 +270,31 @@ class Registry:
         due: list[RequestRecord | PendingPeer] = [
             r for r in self.live.values() if r.deadline <= now
         ]
-        limit = self.deadlines.registered
-        due.extend(p for p in self.pending.values() if p.received_at + limit <= now)
+        if self.pending:
+            pending_due = self.pending_due
+            due.extend(p for p in self.pending.values() if pending_due(p) <= now)
         return due
 
     def next_deadline(self) -> float | None:
         """The earliest deadline of a live record or pending registration (None: none)."""
-        limit = self.deadlines.registered
         due = [r.deadline for r in self.live.values()]
-        due.extend(p.received_at + limit for p in self.pending.values())
+        due.extend(map(self.pending_due, self.pending.values()))
         return min(due, default=None)
+
+    def pending_due(self, pending: PendingPeer) -> float:
+        """When a pending receiver registration fails if no engine here registers it.
+
+        One made from the prefill's answer (``answered``: the prefill engine
+        finished the request and registers its push within a step or two)
+        waits ``answered``, at most ``registered``: past that, this prefill
+        never had the transfer (``react_pending``, ``unknown_request``). One
+        sent with the prefill's leg waits ``registered``: the prefill may not
+        even have started the request.
+        """
+        deadlines = self.deadlines
+        if pending.registration.answered:
+            return pending.received_at + min(deadlines.answered, deadlines.registered)
+        return pending.received_at + deadlines.registered
 
     # ------------------------------------------------------------- validation
 
@@ -373,6 +388,7 @@ class Registry:
         offload_slots: int = 0,
         unavailable: Set[int] = frozenset(),
         content: str = "",
+        answered: bool = False,
     ) -> Registered:
         """Validate a local engine's registration; blocks are logical ids.
 
@@ -380,6 +396,8 @@ class Registry:
         (:meth:`_grant`); ``unavailable`` are slots the shell cannot hand out
         yet although no live request holds them (released, not yet zeroed).
         ``content`` names what the blocks hold (checked at the pairing).
+        ``answered``: a receiver registered from the prefill's answer
+        (:meth:`pending_due`); a pusher's is not kept.
         """
         layout = self._engine(engine_id)
         self._check_new_key(request_id, incarnation)
@@ -404,6 +422,7 @@ class Registry:
             expand_blocks(layout, logical_blocks),
             self._grant(layout, request_id, offload_slots, unavailable) if offload_slots else (),
             content,
+            answered and role is RECEIVER,
         )
         self._check_registered(event)
         return event
@@ -495,8 +514,15 @@ class Registry:
         per_logical: int,
         fingerprint: Fingerprint | None = None,
         content: str = "",
+        answered: bool = False,
     ) -> PeerRegistered:
-        """Validate a receiver's registration forwarded by its daemon."""
+        """Validate a receiver's registration forwarded by its daemon.
+
+        One for a request released here is refused at once
+        (``stale_incarnation``, its tombstone), one for a request that ended
+        and is not released yet too (``illegal_transition``); one for a
+        request this node does not know waits pending (:meth:`pending_due`).
+        """
         record = self.live.get(request_id)
         if record is not None and record.incarnation == incarnation:
             if record.role is not PUSHER:
@@ -524,7 +550,15 @@ class Registry:
             raise Refusal(Reason.BLOCK_OUT_OF_RANGE, f"per_logical must be >= 1, got {per_logical}")
         block_content.decode(request_id, content)  # refused if it does not parse
         return PeerRegistered(
-            request_id, incarnation, peer, engine_id, blocks, per_logical, fingerprint, content
+            request_id,
+            incarnation,
+            peer,
+            engine_id,
+            blocks,
+            per_logical,
+            fingerprint,
+            content,
+            answered,
         )
 
     def check_hold(self, record: RequestRecord, now: float) -> Held | None:
@@ -769,7 +803,7 @@ class Registry:
         wait = self.deadlines.registered if claimed else self._registered_wait(event.role)
         record = RequestRecord(
             rid, inc, event.role, event.engine_id, event.peer, REGISTERED, event.blocks, ts,
-            ts + wait, content=event.content,
+            ts + wait, content=event.content, answered=event.answered,
         )  # fmt: skip
         if event.offload_slots:
             self._hold_slots(rid, event.engine_id, event.offload_slots)

@@ -154,6 +154,10 @@ def test_a_peer_back_hears_what_it_may_have_missed():
     assert on_peer_back(record(R, State.REGISTERED), None) == [
         pm.Forward("r", 1, "e", ((4, 5),), 1, None)
     ]
+    # A receiver registered from the prefill's answer says so again.
+    assert on_peer_back(record(R, State.REGISTERED, answered=True), None) == [
+        pm.Forward("r", 1, "e", ((4, 5),), 1, None, answered=True)
+    ]
     assert on_peer_back(record(R, State.FAILED), None) == [pm.Cancel("r", 1)]
     assert on_peer_back(record(R, State.FAILED, settled=True), None) == []
     assert on_peer_back(record(P, State.DONE), None) == [pm.WriteDone("r", 1)]

@@ -190,6 +190,21 @@ def test_a_pending_registration_ends_only_by_cancel_death_deadline_or_restart():
             assert events == []
 
 
+def test_an_answered_pending_registration_at_its_deadline_names_a_transfer_never_had():
+    """Registered from the prefill's answer: past its deadline no push here ever had the id."""
+    answered = PendingPeer(PeerRegistered("T", 1, "dnode", "d", ((1,),), 1, answered=True), 0.0)
+    (failed,) = react_pending(answered, S.DEADLINE)
+    assert (failed.reason, failed.settled) == (Reason.UNKNOWN_REQUEST, True)
+    assert "the answer names transfer T, which this prefill never had" in failed.message
+    # Every other end of it is worded as for any pending registration.
+    (restart,) = react_pending(answered, S.RESTART)
+    assert restart.reason is Reason.DAEMON_RESTART
+    # A receiver sent with the prefill's leg: the prefill may not have started.
+    concurrent = PendingPeer(PeerRegistered("T", 1, "dnode", "d", ((1,),), 1), 0.0)
+    (failed,) = react_pending(concurrent, S.DEADLINE)
+    assert failed.reason is Reason.DEADLINE_EXCEEDED
+
+
 def test_each_stimulus_has_a_cause():
     assert {s.cause for s in Stimulus} == set(Cause)
 

@@ -13,6 +13,7 @@ import msgspec
 import pytest
 
 from schemas.events import (
+    Event,
     Failed,
     KvReady,
     PeerRegistered,
@@ -687,6 +688,138 @@ def test_pending_snapshot_keeps_received_at() -> None:
     assert restored.pending["q"] == PendingPeer(
         PeerRegistered("q", 1, "d", "dec0", ((9,),), 1), 12.0
     )
+
+
+# ------------------------------------------ answered receivers (issue 47)
+#
+# A receiver registered from the prefill's answer (the prefill finished the
+# request, so its engine registers the push within a step or two) waits
+# pending on the prefill side for ``answered``, not ``registered``: an answer
+# naming a transfer this prefill never had fails that soon.
+
+SHORT = Deadlines(registered=30.0, answered=2.0)
+
+
+def _forward(n: Node, rid: str, *, answered: bool, inc: int = 1) -> None:
+    event = n.reg.check_peer_registration(
+        rid, inc, "dnode", "dec0", ((500, 501),), 1, answered=answered
+    )
+    assert event.answered is answered
+    assert n.do(event) is None  # pending: this node has no such request
+
+
+def _expire(n: Node, now: float) -> list[RequestEvent]:
+    """The deadline loop's round at ``now``: each due item's event, journaled and applied."""
+    n.now = now
+    events = [n.reg.on_deadline(due) for due in n.reg.expired(now)]
+    n.do(events)
+    return events
+
+
+def test_an_answered_receiver_whose_push_never_comes_fails_at_the_short_deadline() -> None:
+    n = Node(deadlines=SHORT)
+    n.now = 100.0
+    _forward(n, "stale", answered=True)
+    assert n.reg.next_deadline() == 102.0
+    assert n.reg.expired(101.999) == []
+    (failed,) = _expire(n, 102.0)
+    assert isinstance(failed, Failed) and failed.settled
+    assert failed.reason is Reason.UNKNOWN_REQUEST
+    assert "the answer names transfer stale, which this prefill never had" in failed.message
+    assert_gone(n.reg, "stale", 1)
+    # A push registered after that is stale: its engine hears at once, nothing waits.
+    with pytest.raises(Refusal) as info:
+        n.register("stale", PUSHER, [[10, 11]])
+    assert info.value.reason is Reason.STALE_INCARNATION
+
+
+def test_an_answered_receiver_whose_push_registers_inside_the_short_deadline_pairs() -> None:
+    """The usual race: the receiver's forward lands a few milliseconds before the push."""
+    n = Node(deadlines=SHORT)
+    _forward(n, "raced", answered=True)
+    n.now = 1.999
+    rec = n.register("raced", PUSHER, [[10, 11, 12]])
+    assert n.reg.pending == {}
+    assert rec.remote_blocks == ((500, 501),)
+    assert rec.deadline == 1.999 + SHORT.registered  # the pairing's wait, as before
+    assert _expire(n, 2.5) == []
+    n.do(KvReady("raced", 1))
+    trimmed = n.reg.plan_trim("raced", 1)
+    assert trimmed.dst == ((500, 501),)
+
+
+def test_a_receiver_sent_with_the_prefills_leg_keeps_the_registered_deadline() -> None:
+    """Both legs at once: the prefill may not have started, so it waits the whole ``registered``."""
+    n = Node(deadlines=SHORT)
+    _forward(n, "concurrent", answered=False)
+    assert n.reg.next_deadline() == 30.0
+    assert _expire(n, 29.9) == []
+    (failed,) = _expire(n, 30.0)
+    assert isinstance(failed, Failed) and failed.reason is Reason.DEADLINE_EXCEEDED
+    assert_gone(n.reg, "concurrent", 1)
+
+
+def test_the_answered_deadline_is_never_longer_than_registered() -> None:
+    n = Node(deadlines=Deadlines(registered=1.0, answered=2.0))
+    _forward(n, "a", answered=True)
+    assert n.reg.next_deadline() == 1.0
+
+
+def test_an_answer_naming_a_push_that_already_ended_is_refused_at_once() -> None:
+    """A stale id this prefill had: its tombstone (released) or its end (failed) refuses it."""
+    n = Node(deadlines=SHORT)
+    n.register("released", PUSHER, [[10]])
+    n.do(Failed("released", 1, Reason.DEADLINE_EXCEEDED, "unclaimed"))
+    n.release("released")
+    assert "released" not in n.reg.live
+    with pytest.raises(Refusal) as info:
+        n.reg.check_peer_registration("released", 1, "d", "dec0", ((5,),), 1, answered=True)
+    assert info.value.reason is Reason.STALE_INCARNATION
+    n.register("ended", PUSHER, [[11]])
+    n.do(Failed("ended", 1, Reason.DEADLINE_EXCEEDED, "unclaimed"))
+    with pytest.raises(Refusal) as info:
+        n.reg.check_peer_registration("ended", 1, "d", "dec0", ((6,),), 1, answered=True)
+    assert info.value.reason is Reason.ILLEGAL_TRANSITION
+    assert n.reg.pending == {}
+
+
+def test_a_receiver_registration_keeps_answered_and_a_pushers_drops_it() -> None:
+    n = Node()
+    receiver = n.reg.check_register("r", 1, RECEIVER, "dec0", "p", [[1]], answered=True)
+    pusher = n.reg.check_register("q", 1, PUSHER, "pre0", "p", [[1]], answered=True)
+    assert (receiver.answered, pusher.answered) == (True, False)
+    rec = n.do(receiver)
+    assert rec is not None and rec.answered
+    assert rec.deadline == n.reg.deadlines.registered  # the receiver's own wait is unchanged
+
+
+def test_answered_registrations_replay_and_old_records_read_as_not_answered() -> None:
+    """The journal holds the flag: a fold of the records rebuilds the same registry."""
+    n = Node(deadlines=SHORT)
+    log: list[tuple[object, float]] = []
+
+    def do(event: object) -> None:
+        log.append((event, n.now))
+        n.do(event)
+
+    do(n.reg.check_register("r", 1, RECEIVER, "dec0", "p", [[1]], answered=True))
+    do(n.reg.check_peer_registration("a", 1, "d", "dec0", ((5,),), 1, answered=True))
+    do(n.reg.check_peer_registration("b", 1, "d", "dec0", ((6,),), 1))
+    n.now = 2.0
+    for due in n.reg.expired(n.now):
+        do(n.reg.on_deadline(due))
+    assert set(n.reg.pending) == {"b"}
+    codec = msgspec.msgpack.Decoder(Event)
+    replayed = Node(deadlines=SHORT)
+    for event, ts in log:
+        replayed.reg.apply(codec.decode(msgspec.msgpack.encode(event)), ts)
+    assert replayed.reg.snapshot(0) == n.reg.snapshot(0)
+    assert replayed.reg.live["r"].answered
+    # Records written before the field existed: positional, without its last element.
+    for event in (log[0][0], log[1][0]):
+        fields = msgspec.msgpack.decode(msgspec.msgpack.encode(event))
+        old = codec.decode(msgspec.msgpack.encode(fields[:-1]))
+        assert old == msgspec.structs.replace(event, answered=False)  # type: ignore[type-var]
 
 
 # ------------------------------------- plan/check results must apply

@@ -75,6 +75,8 @@ SECRET_LINE = 'secret_file = "/etc/kvpushd/secret"'
         ("peer_idle_close_s = inf", "peer_idle_close_s"),
         ("[deadlines]\nwriting = inf", "deadlines.writing"),
         ("[deadlines]\ndone = 0", "deadlines.done"),
+        ("[deadlines]\nanswered = 0", "deadlines.answered"),
+        ("[deadlines]\nanswered = nan", "deadlines.answered"),
         ("[journal]\nsegment_mb = 0", "journal.segment_mb"),
         ("[journal]\ncommit_window_ms = -1", "journal.commit_window_ms"),
         ("[journal]\nsnapshot_every = -1", "journal.snapshot_every"),

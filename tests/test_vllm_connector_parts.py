@@ -204,6 +204,8 @@ def test_the_prefill_answer_reads_back_as_the_decode_load() -> None:
     spec = receive_spec("r", answer, ((3,),), content="c")
     assert (spec.transfer_id, spec.peer, spec.peer_address) == ("T", "p", "h:1")
     assert (spec.source_ranks, spec.source_stages, spec.shares_tp) == (2, 1, 2)
+    # The prefill finished it: a transfer it never had fails at the short deadline.
+    assert spec.answered
 
 
 # Each way a router (or anything between the legs) could hand the decode a
@@ -297,6 +299,7 @@ def test_a_dispatch_leg_becomes_the_fields_the_decode_reads() -> None:
     assert leg == Dispatched(True, "t1", "p", "h:9", 2, 1)
     spec = receive_spec("r", leg, ())
     assert (spec.transfer_id, spec.peer_address, spec.source_ranks) == ("t1", "h:9", 2)
+    assert not spec.answered  # the prefill may not have started: the push's whole wait
     assert router_transfer_id({"transfer_id": "x" * 201}) is None
 
 

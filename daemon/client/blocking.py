@@ -122,6 +122,8 @@ class BlockingEngineClient:
         offload_slots: int = 0,
         timeout: float | None = None,
         peer_address: str = "",
+        content: str = "",
+        answered: bool = False,
     ) -> rpc.RequestAccepted:
         return self._run(
             self.client.register_request(
@@ -134,6 +136,8 @@ class BlockingEngineClient:
                 offload_slots=offload_slots,
                 timeout=timeout,
                 peer_address=peer_address,
+                content=content,
+                answered=answered,
             )
         )
 

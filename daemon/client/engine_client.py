@@ -285,6 +285,7 @@ class EngineClient:
         timeout: float | None = None,
         peer_address: str = "",
         content: str = "",
+        answered: bool = False,
     ) -> rpc.RequestAccepted:
         """Register a request: logical block ids per group (see :class:`rpc.RegisterRequest`).
 
@@ -292,7 +293,10 @@ class EngineClient:
         (from the prefill's kv_transfer_params), for a peer its daemon does
         not list: the daemon dials it, or refuses with ``peer_unreachable``.
         ``content``: what the blocks hold or are for (a prompt's digest); a
-        push pairs only equal ones where both sides name one.
+        push pairs only equal ones where both sides name one. ``answered``: a
+        receiver registered from the prefill's answer (the prefill finished
+        the request): a transfer the prefill never had fails within
+        ``[deadlines] answered``, not ``registered``.
         """
         request = rpc.RegisterRequest(
             self._next_id(),
@@ -305,6 +309,7 @@ class EngineClient:
             offload_slots=offload_slots,
             peer_address=peer_address,
             content=content,
+            answered=answered,
         )
         return await self._call(request, rpc.RequestAccepted, timeout)
 

@@ -70,7 +70,7 @@ class Deadlines:
         if type(touched) is RequestRecord:
             due = touched.deadline
         elif type(touched) is PendingPeer:
-            due = touched.received_at + self._ledger.registry.deadlines.registered
+            due = self._ledger.registry.pending_due(touched)
         else:
             return
         if due < self._wake_at - TICK_S:

@@ -172,6 +172,7 @@ class EngineRpc:
             req.offload_slots,
             engines.unavailable_slots(engine),
             req.content,
+            req.answered,
         )
         self._check_fits(event)
         self._integrity.check_slots(engine, event)

@@ -295,6 +295,7 @@ class Peers:
                 msg.per_logical,
                 msg.fingerprint,
                 msg.content,
+                msg.answered,
             )
         except Refusal as refusal:
             refused = refusal.journaled(msg.request_id, msg.incarnation, msg.engine_id)

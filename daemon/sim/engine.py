@@ -308,16 +308,25 @@ class SimEngine:
         expect: Expectation | None = None,
         peer_address: str = "",
         content: str = "",
+        answered: bool = False,
     ) -> rpc.RequestAccepted:
         """Register a receiver request; with ``expect``, KvArrived is verified automatically.
 
         ``peer_address``: the pusher daemon's ``host:port``, for a peer on demand;
-        ``content``: what the blocks are for (checked against the pusher's).
+        ``content``: what the blocks are for (checked against the pusher's);
+        ``answered``: registered from the prefill's answer (the prefill finished).
         """
         self._require(Role.RECEIVER)
         live = _Live(Role.RECEIVER, expand(self.layout, blocks), expect)
         return await self._register(
-            request_id, incarnation, blocks, peer, live, peer_address, content=content
+            request_id,
+            incarnation,
+            blocks,
+            peer,
+            live,
+            peer_address,
+            content=content,
+            answered=answered,
         )
 
     async def _register(
@@ -330,6 +339,7 @@ class SimEngine:
         peer_address: str = "",
         *,
         content: str = "",
+        answered: bool = False,
     ) -> rpc.RequestAccepted:
         """Register with the daemon, recording the request *before* the call.
 
@@ -351,6 +361,7 @@ class SimEngine:
                 peer=peer,
                 peer_address=peer_address,
                 content=content,
+                answered=answered,
             )
         except BaseException:
             if previous is None:

@@ -355,6 +355,7 @@ class DaemonCalls:
             peer_address=receive.peer_address,
             timeout=UNTIL_ANSWERED,
             content=receive.content,
+            answered=receive.answered,
         )
 
     def _per_group(self, block_ids: Blocks) -> list[list[int]]:

@@ -289,4 +289,5 @@ def receive_spec(
         source_stages=stages,
         split_tp=split_tp,
         content=content,
+        answered=isinstance(leg, PrefillAnswer),
     )

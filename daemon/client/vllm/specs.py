@@ -86,6 +86,11 @@ class ReceiveSpec:
     # checks the pushed one (daemon/client/vllm/kvcheck.py). (): unchecked.
     check: tuple[tuple[int, int], ...] = ()
     position: int = -1
+    # Loaded from the prefill's answer (it finished the request and registers
+    # its push within a step or two), not a leg sent with the prefill's: a
+    # transfer that prefill never had fails within its daemon's
+    # ``[deadlines] answered``, and vLLM computes the prompt at once.
+    answered: bool = False
 
     @property
     def shares_tp(self) -> int:
