@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from daemon.client.vllm import stats as vs
+from daemon.client.vllm.adapters import adapter_key
 from daemon.client.vllm.guard import Swallowed, bound
 from daemon.client.vllm.inputs import counts_inputs
 from daemon.client.vllm.kvcheck import KvCheckSettings, tolerance_for, values_dtype
@@ -151,6 +152,9 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         with Swallowed(self._scheduler, "on_new_request", request):
             bound(request, self._scheduler)  # first: the params vLLM pickles, bounded
+            # An adapter's digest is read when the instance first sees it, as
+            # its worker loads it: every request, P/D or not (adapters.py).
+            adapter_key(request)
             self._scheduler.new_request(request)
 
     def get_num_new_matched_tokens(
