@@ -18,7 +18,7 @@ from daemon.node.ledger import Ledger
 from daemon.node.peers import Peers
 from daemon.node.transfers import Transfers
 from daemon.node.windows import Windows
-from schemas.events import Event
+from schemas.events import Event, PeerRegistered
 from schemas.state import PendingPeer, RequestRecord
 from statemachine.reactions import Cause, Stimulus, react, react_pending
 
@@ -69,8 +69,14 @@ class Deadlines:
         """Ledger observer: wake the loop for a deadline before its planned wake-up."""
         if type(touched) is RequestRecord:
             due = touched.deadline
-        elif type(touched) is PendingPeer:
-            due = self._ledger.registry.pending_due(touched)
+        elif type(event) is PeerRegistered:
+            # Pending (it touched no record): its own deadline, which for a
+            # receiver registered from an answer is a short one.
+            registry = self._ledger.registry
+            pending = registry.pending.get(event.request_id)
+            if pending is None:
+                return
+            due = registry.pending_due(pending)
         else:
             return
         if due < self._wake_at - TICK_S:
