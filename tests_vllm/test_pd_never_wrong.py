@@ -26,14 +26,16 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from daemon.journal.replay import replay
 from daemon.sim.launcher import Daemon, free_port, wait_idle
 from harness.hostile_params import hostile_legs
 from harness.vllm_router import external_tokens, loads_token_exact, prefill_leg
 from harness.vllm_servers import VllmServer, VllmServerError, kvpushd_pd
-from schemas.events import Failed, Registered, WriteDone, WriteStarted
+from schemas.events import Failed, PeerRegistered, Registered, WriteDone, WriteStarted
 from schemas.reasons import Reason
 from statemachine.content import decode as decode_content
 
@@ -347,34 +349,80 @@ def test_hostile_params_sent_to_a_decode_leave_it_serving_token_exact(pd: PD) ->
     ``schedule()``), negative and huge, wrong types, a dict nested 500 deep
     (``RecursionError`` as vLLM pickled the step: a plain vLLM dies of it
     too), megabyte strings, a closed or foreign address, the decode's own
-    node. Each is answered as a single instance answers, and the decode
-    then still loads a clean P/D request token-exact.
+    node, a transfer its prefill never had. Each is answered as a single
+    instance answers, and the decode then still loads a clean P/D request
+    token-exact.
+
+    A leg that still reads names a transfer its prefill never had: the
+    prefill daemon keeps the receiver (registered from an answer) pending
+    only ``[deadlines] answered`` (2 s), then fails it ``unknown_request``;
+    before, each such load waited out the push's ``registered`` deadline
+    (30 s) before the decode computed the prompt. Pinned by the journals,
+    not by a clock: the stale leg's failure is the short deadline's on both
+    sides, and no hostile transfer ended at any deadline of its own.
     """
-    p, d, _, decode = pd
+    p, d, prefill, decode = pd
     rng = random.Random(4747)
     prompt = [rng.randrange(2, 512) for _ in range(70)]
     single = p.complete(prompt, TOKENS).token_ids
     answer = prefill_leg(p, prompt)
     shapes = hostile_legs(decode.node, f"127.0.0.1:{decode.port}", f"127.0.0.1:{free_port()}")
+    took: dict[str, float] = {}
 
     def send(number: int) -> None:
         name, change = shapes[number]
         sent = copy.deepcopy(answer)
         # Each its own transfer: a leg that still reads claims it (a second would be a
         # duplicate). A leg that still reads names a transfer its prefill never had: its
-        # load waits out the prefill daemon's registered deadline (30 s), then recomputes.
+        # load fails at the prefill daemon's answered deadline (2 s), then recomputes.
         sent["kvpushd_transfer_id"] = f"hostile-{number}"
         change(sent)
+        started = time.monotonic()
         try:
             assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single, name
         except VllmServerError as exc:  # vLLM's own API refuses integers past 64 bits
             assert "HTTP 400" in str(exc) and "extra_args integers" in str(exc), (name, exc)
+        took[name] = time.monotonic() - started
 
     with ThreadPoolExecutor(max_workers=16) as pool:  # those waits at once, not one by one
         list(pool.map(send, range(len(shapes))))
     log = d.log.read_text(errors="replace")
     assert "EngineCore encountered a fatal error" not in log
     assert "kv_transfer_params dropped 'kvpushd_fingerprint'" in log
+    stale = [n for n, (name, _) in enumerate(shapes) if name == "a transfer its prefill never had"]
+    print(f"the stale leg computed in {took[shapes[stale[0]][0]]:.1f} s")  # 30 s+ before
+    wait_idle(prefill, decode, timeout=20)  # forgone receivers end at answered too
+    # The stale leg: the prefill's pending receiver (answered) failed at the short
+    # deadline, naming the transfer, and the decode's receive failed with its words.
+    transfer = f"hostile-{stale[0]}"
+    on_prefill = prefill.journal_events(transfer)
+    assert [type(e) for e in on_prefill] == [PeerRegistered, Failed], on_prefill
+    assert on_prefill[0].answered
+    assert on_prefill[1].reason is Reason.UNKNOWN_REQUEST, on_prefill
+    assert f"transfer {transfer}, which this prefill never had" in on_prefill[1].message
+    on_decode = decode.journal_events(transfer)
+    assert next(e for e in on_decode if isinstance(e, Registered)).answered
+    (failed,) = [e for e in on_decode if isinstance(e, Failed)]
+    assert failed.reason is Reason.UNKNOWN_REQUEST, failed
+    assert "which this prefill never had" in failed.message, failed
+    # No hostile transfer waited out a deadline on either daemon.
+    for daemon in (prefill, decode):
+        ended = _failures(daemon, "hostile-")
+        assert ended, daemon.node
+        assert Reason.DEADLINE_EXCEEDED not in {e.reason for e in ended}, (daemon.node, ended)
     loads_token_exact(p, d, [rng.randrange(2, 512) for _ in range(80)], TOKENS)
     p.wait_kv_usage_zero()
     d.wait_kv_usage_zero()
+
+
+def _failures(daemon: Daemon, prefix: str) -> list[Failed]:
+    """The Failed records of a daemon's journal whose request id starts with ``prefix``."""
+    failed: list[Failed] = []
+
+    def collect(record: Any, touched: object) -> None:
+        event = record.event
+        if isinstance(event, Failed) and event.request_id.startswith(prefix):
+            failed.append(event)
+
+    replay(daemon.journal, on_record=collect)
+    return failed
