@@ -12,7 +12,9 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 # The differential P/D fuzzer on real vLLM (tools/pd_fuzz.py), longer than
 # `make test`'s fixed 40 cases: `make fuzz-vllm SEED=3 CASES=500 SHAPES=tp1,hybrid`;
-# ONLY=N reruns case N alone (ONLY_BATCH=N a batch), as a failure's line says.
+# ONLY=N reruns case N alone (ONLY_BATCH=N a batch), as a failure's line says;
+# HOSTILE=1 makes each tampered prefill answer a hostile leg instead
+# (harness/hostile_params.py: zero, huge and mistyped sizes, deep nesting, ...).
 SEED   ?= 1
 CASES  ?= 200
 SHAPES ?= tp1,small-kv,staging,hybrid,tp2-1
@@ -60,7 +62,8 @@ test: $(STAMP)
 
 fuzz-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/python tools/pd_fuzz.py --seed $(SEED) --cases $(CASES) --shapes $(SHAPES) \
-		$(if $(ONLY),--only $(ONLY)) $(if $(ONLY_BATCH),--only-batch $(ONLY_BATCH)) $(ARGS)
+		$(if $(ONLY),--only $(ONLY)) $(if $(ONLY_BATCH),--only-batch $(ONLY_BATCH)) \
+		$(if $(HOSTILE),--hostile) $(ARGS)
 
 # Real vLLM servers (one core each) on a tiny seeded llama: tests_vllm/ is its
 # own pytest rootdir, so the main suite never collects it.

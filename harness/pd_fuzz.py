@@ -22,6 +22,7 @@ smallest variant that still fails.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import http.client
 import io
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.sim.launcher import Daemon, free_port
+from harness.hostile_params import hostile_legs
 from harness.pd_cases import (
     Batch,
     Case,
@@ -326,6 +328,35 @@ class Context:
     nonce: str  # makes router transfer ids unique across reruns of one case
     # Every case run on this pair (its journals hold them all), by index.
     ran: dict[int, tuple[Case, Batch]] = field(default_factory=dict)
+    # ANSWER_TAMPERED cases that get a hostile leg instead (harness/hostile_params.py).
+    hostile: bool = False
+
+
+def hostile_leg(
+    ctx: Context, params: dict[str, Any], case: Case
+) -> tuple[dict[str, Any], str, bool]:
+    """The decode leg's params made hostile (the fuzzer's hostile-params dimension).
+
+    The shape comes from the case's draw (``differs_at``): the same case,
+    the same shape. A shape that changes a field the connector reads
+    (``kvpushd_*``, the fingerprint) must be computed locally; one that only
+    adds what it does not read may still load. vLLM's own API refuses
+    integers past 64 bits (an HTTP 400 is not the connector's), so that
+    shape is left out; so is the stale transfer id, which every tampered
+    leg of a prefill-first case is not.
+    """
+    _, decode = ctx.pair.daemons
+    shapes = [
+        (name, change)
+        for name, change in hostile_legs(decode.node, decode.address, f"127.0.0.1:{free_port()}")
+        if "2**70" not in name and "never had" not in name
+    ]
+    name, change = shapes[case.differs_at % len(shapes)]
+    changed = copy.deepcopy(params)
+    change(changed)
+    reads = name.startswith(("fingerprint", "split_", "prompt_", "transfer_id", "node", "address"))
+    must_compute = reads or name in ("its own node", "version a dict")
+    return changed, f"hostile: {name}", must_compute
 
 
 def run_case(ctx: Context, case: Case) -> CaseRun:
@@ -359,7 +390,10 @@ def run_case(ctx: Context, case: Case) -> CaseRun:
 
     def decode_leg(params: dict[str, Any] | None, name: str = "decode") -> Leg:
         if case.fault is RouterFault.ANSWER_TAMPERED and params is not None:
-            params, run.tampered, run.must_compute = tamper(params, case.differs_at)
+            if ctx.hostile and "kvpushd_fingerprint" in params:  # a prefill's answer
+                params, run.tampered, run.must_compute = hostile_leg(ctx, params, case)
+            else:
+                params, run.tampered, run.must_compute = tamper(params, case.differs_at)
         body = _body(decode_prompt, case.decode_max_tokens, params)
         if case.fault is RouterFault.DECODE_DELAYED:
             time.sleep(REGISTERED_S + case.fault_s)
@@ -754,6 +788,7 @@ def fuzz(
     total: int,
     shrink_budget: int = 12,
     log: Callable[[str], None] = print,
+    hostile: bool = False,
 ) -> Report:
     """``batches`` on a fresh pair of ``shape``; each failure printed, shrunk, printed again."""
     report = Report(seed, shape.name)
@@ -762,7 +797,7 @@ def fuzz(
     small = [b if not shape.small_pool else _small(b) for b in batches]
     stack = contextlib.ExitStack()
     pair = stack.enter_context(running_pair(model, workdir / "pair-0", shape))
-    ctx = Context(pair, Oracle(oracle), the_model, uuid.uuid4().hex[:6])
+    ctx = Context(pair, Oracle(oracle), the_model, uuid.uuid4().hex[:6], hostile=hostile)
     restarts = 0
 
     def restart() -> None:
@@ -808,6 +843,7 @@ def fuzz(
                 continue
             for finding in found:
                 line = reproduce_line(seed, shape.name, batch, finding, total)
+                line += " HOSTILE=1" if hostile else ""
                 report.findings.append(line)
                 log(line)
             clean_up(found)

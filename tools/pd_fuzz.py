@@ -51,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shrink-budget", type=int, default=12, help="reruns to shrink a failure")
     parser.add_argument("--workdir", type=Path, help="default: a new temp folder")
     parser.add_argument("--report", type=Path, help="append each shape's summary as a JSON line")
+    parser.add_argument(
+        "--hostile",
+        action="store_true",
+        help="a tampered prefill answer becomes a hostile leg (harness/hostile_params.py)",
+    )
     args = parser.parse_args(argv)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvpushd-pd-fuzz-"))
     failed = False
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             report = fuzz(
                 model, workdir / name, shape, batches, oracle,
                 seed=args.seed, total=args.cases, shrink_budget=args.shrink_budget,
-                log=lambda line: print(line, flush=True),
+                log=lambda line: print(line, flush=True), hostile=args.hostile,
             )  # fmt: skip
         finally:
             stop_servers([oracle])
