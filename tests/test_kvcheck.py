@@ -165,3 +165,17 @@ def test_a_load_is_checked_only_in_the_step_that_computes_its_last_token() -> No
     plan_.scheduled(new, check, uncheck)
     assert (check, uncheck) == (["r"], ["x"])
     assert plan_.forget(["y", "r", "nobody"]) == ["y"]
+
+
+def test_what_is_kept_is_bounded_in_bytes_the_oldest_going_unchecked() -> None:
+    group = layers(2)
+    block_bytes = group[0][2][0].nbytes * len(group)
+    check = LoadChecks((group,), 1e-3, max_bytes=2 * block_bytes)
+    for n in range(3):
+        check.plan(f"r{n}", plan(block=n))
+        check.landed({f"r{n}"}, set())
+    for _, _, layer in group:
+        layer[0:3] += 1  # every kept block changed: each checked one is a finding
+    findings, differences = check.after_forward(["r0", "r1", "r2"])
+    assert [f.request_id for f in findings] == ["r1", "r2"]  # r0 was dropped, unchecked
+    assert [r for r, _ in differences] == ["r1", "r2"]

@@ -78,6 +78,10 @@ class Snapshot:
     position: int  # the checked token's position in the prompt
     groups: tuple[Kept, ...]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(kept.bytes.nbytes for kept in self.groups)
+
 
 class Disagreement(NamedTuple):
     """The largest difference of a checked token, where it exceeds the tolerance."""
@@ -225,6 +229,7 @@ class LoadChecks:
         *,
         one_group: bool = True,
         bound: int = 4096,
+        max_bytes: int = 512 << 20,
     ) -> None:
         self._layers = layers
         self._by_name = {name: view for group in layers for _, name, view in group}
@@ -234,6 +239,8 @@ class LoadChecks:
         self._bound = bound
         self._plans: dict[str, Plan] = {}
         self._kept: dict[str, tuple[Snapshot, Plan]] = {}
+        self._kept_bytes = 0
+        self._max_bytes = max_bytes
         # Blocks of loads found not this engine's, for vLLM to recompute.
         self._invalid: set[int] = set()
 
@@ -272,16 +279,24 @@ class LoadChecks:
             plan = self._plans.pop(request_id, None)
             if plan is None or request_id in failed:
                 continue
-            self._kept[request_id] = (
-                take(request_id, plan.position, plan.slots, self._layers),
-                plan,
-            )
-            _bounded(self._kept, self._bound)
+            snapshot = take(request_id, plan.position, plan.slots, self._layers)
+            self._kept[request_id] = (snapshot, plan)
+            self._kept_bytes += snapshot.nbytes
+            # Bounded in bytes too (a 70B rank keeps ~5 MiB a load): the
+            # oldest, queued longest before its first forward, goes unchecked.
+            while len(self._kept) > self._bound or self._kept_bytes > self._max_bytes:
+                self._forget(next(iter(self._kept)))
 
     def drop(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._plans.pop(request_id, None)
-            self._kept.pop(request_id, None)
+            self._forget(request_id)
+
+    def _forget(self, request_id: str) -> tuple[Snapshot, Plan] | None:
+        kept = self._kept.pop(request_id, None)
+        if kept is not None:
+            self._kept_bytes -= kept[0].nbytes
+        return kept
 
     def after_forward(
         self, request_ids: list[str]
@@ -293,7 +308,7 @@ class LoadChecks:
         findings: list[Finding] = []
         differences: list[tuple[str, float]] = []
         for request_id in request_ids:
-            kept = self._kept.pop(request_id, None)
+            kept = self._forget(request_id)
             if kept is None:
                 continue
             snapshot, plan = kept
@@ -302,7 +317,6 @@ class LoadChecks:
             if disagreement is not None:
                 findings.append(Finding(request_id, disagreement, plan))
         return findings, differences
-
 
     def after_step(
         self, check: list[str], uncheck: list[str], checked: Callable[[float, bool], None]
