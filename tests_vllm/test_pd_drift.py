@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -47,18 +46,27 @@ BEHAVIOUR_ALONE = {"identity": False}
 
 @pytest.fixture(scope="module")
 def rewritten_pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
+    """A rolling upgrade between the legs' starts: the checkpoint and the adapter, in place."""
     folder = write_tinyllama(tmp_path_factory.mktemp("rolling"))
+    adapter = write_lora(tmp_path_factory.mktemp("adapter"), seed=0)
+    lora = ["--enable-lora", "--max-lora-rank", str(LORA_RANK), "--lora-modules", f"a={adapter}"]
 
-    def upgrade_in_place(_: VllmServer) -> None:
+    def upgrade_in_place(p: VllmServer) -> None:
+        # vLLM loads an adapter on its first use: the prefill holds the old one.
+        p.complete([5, 6, 7], 1, model="a")
         write_tinyllama(folder, TinyLlama(seed=1))
+        write_lora(adapter, seed=1)
 
     with kvpushd_pd(
         folder,
         tmp_path_factory.mktemp("pd-rolling"),
+        prefill_args=lora,
+        decode_args=lora,
         between_starts=upgrade_in_place,
         kv_load_failure_policy="recompute",
         # The issue's test switch: no weights or rope digest up front (which
-        # would refuse this pairing naming 'weights'), the behavioural check alone.
+        # would refuse this pairing naming 'weights'), the behavioural check
+        # alone. The adapter's content key stays: it is in the block hashes.
         prefill_extra_config=BEHAVIOUR_ALONE,
         decode_extra_config=BEHAVIOUR_ALONE,
     ) as pd:
@@ -67,6 +75,28 @@ def rewritten_pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
 
 def _checks(server: VllmServer, result: str) -> float:
     return server.metrics().total(CHECKS, result=result)
+
+
+def test_a_lora_adapter_rewritten_in_place_is_refused_before_any_write(rewritten_pd: PD) -> None:
+    # First in the module: the checkpoint test below quarantines the pairing.
+    p, d, prefill, decode = rewritten_pd
+    rng = random.Random(49)
+    for length in (70, 130):
+        prompt = [rng.randrange(2, 512) for _ in range(length)]
+        own = d.complete(prompt, TOKENS, model="a").token_ids
+        # The oracle can tell: the two instances' adapters (and bases) differ.
+        assert p.complete(prompt, TOKENS, model="a").token_ids != own
+        answer = p.complete(prompt, 1, model="a", kv_transfer_params={"do_remote_decode": True})
+        sent = dict(answer.raw["kv_transfer_params"])
+        served = d.complete(prompt, TOKENS, model="a", kv_transfer_params=sent).token_ids
+        assert served == own, length
+        wait_idle(prefill, decode)
+        events = prefill.journal_events(sent["kvpushd_transfer_id"])
+        # The adapter's content in the block hashes refuses it before any write.
+        assert not [e for e in events if isinstance(e, WriteStarted)], events
+        (failed,) = [e for e in events if isinstance(e, Failed)]
+        assert failed.reason is Reason.CONTENT_MISMATCH, events
+    assert "content_mismatch" in d.log.read_text(errors="replace")
 
 
 def test_a_checkpoint_rewritten_in_place_between_the_legs_starts_serves_no_wrong_token(
@@ -108,46 +138,3 @@ def test_a_quarantined_pairing_is_computed_without_a_forward_at_risk(rewritten_p
     # Refused at the pairing: nothing loaded, so nothing left to check.
     assert _checks(d, "kv_mismatch") + _checks(d, "agree") == checked
     wait_idle(prefill, decode)
-
-
-@pytest.fixture(scope="module")
-def adapter_pd(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
-    adapter = write_lora(tmp_path_factory.mktemp("adapter"), seed=0)
-    lora = ["--enable-lora", "--max-lora-rank", str(LORA_RANK), "--lora-modules", f"a={adapter}"]
-
-    def upgrade_in_place(p: VllmServer) -> None:
-        # vLLM loads an adapter on its first use: the prefill holds the old one.
-        p.complete([5, 6, 7], 1, model="a")
-        write_lora(adapter, seed=1)
-
-    with kvpushd_pd(
-        tiny_model,
-        tmp_path_factory.mktemp("pd-adapter"),
-        prefill_args=lora,
-        decode_args=lora,
-        between_starts=upgrade_in_place,
-        kv_load_failure_policy="recompute",
-    ) as pd:
-        yield pd
-
-
-def test_a_lora_adapter_rewritten_in_place_serves_no_wrong_token(adapter_pd: PD) -> None:
-    p, d, prefill, decode = adapter_pd
-    rng = random.Random(49)
-    for length in (70, 130):
-        prompt = [rng.randrange(2, 512) for _ in range(length)]
-        own = d.complete(prompt, TOKENS, model="a").token_ids
-        # The oracle can tell: the two instances' adapters differ, their base does not.
-        assert p.complete(prompt, TOKENS, model="a").token_ids != own
-        assert p.complete(prompt, TOKENS).token_ids == d.complete(prompt, TOKENS).token_ids
-        answer = p.complete(prompt, 1, model="a", kv_transfer_params={"do_remote_decode": True})
-        sent = dict(answer.raw["kv_transfer_params"])
-        served = d.complete(prompt, TOKENS, model="a", kv_transfer_params=sent).token_ids
-        assert served == own, length
-        wait_idle(prefill, decode)
-        events = prefill.journal_events(sent["kvpushd_transfer_id"])
-        # The adapter's content in the block hashes refuses it before any write.
-        assert not [e for e in events if isinstance(e, WriteStarted)], events
-        (failed,) = [e for e in events if isinstance(e, Failed)]
-        assert failed.reason is Reason.CONTENT_MISMATCH, events
-    assert "content_mismatch" in d.log.read_text(errors="replace")
