@@ -96,7 +96,8 @@ def test_a_lora_adapter_rewritten_in_place_is_refused_before_any_write(rewritten
         assert not [e for e in events if isinstance(e, WriteStarted)], events
         (failed,) = [e for e in events if isinstance(e, Failed)]
         assert failed.reason is Reason.CONTENT_MISMATCH, events
-    assert "content_mismatch" in d.log.read_text(errors="replace")
+    for server in (p, d):  # both instances' logs name why
+        assert "content_mismatch" in server.log.read_text(errors="replace"), server.name
 
 
 def test_a_checkpoint_rewritten_in_place_between_the_legs_starts_serves_no_wrong_token(
@@ -135,6 +136,15 @@ def test_a_quarantined_pairing_is_computed_without_a_forward_at_risk(rewritten_p
         own = d.complete(prompt, TOKENS).token_ids
         sent = prefill_leg(p, prompt)
         assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == own, length
+        wait_idle(prefill, decode)
+        for daemon in (prefill, decode):
+            (failed,) = [
+                e
+                for e in daemon.journal_events(sent["kvpushd_transfer_id"])
+                if isinstance(e, Failed)
+            ]
+            assert failed.reason is Reason.QUARANTINED, daemon.node
     # Refused at the pairing: nothing loaded, so nothing left to check.
     assert _checks(d, "kv_mismatch") + _checks(d, "agree") == checked
-    wait_idle(prefill, decode)
+    for server in (p, d):  # both instances' logs name why
+        assert "quarantined" in server.log.read_text(errors="replace"), server.name

@@ -384,6 +384,11 @@ class WorkerSide:
                 # away); a released pusher has no write left. The blocks go
                 # back once every share of the request is over.
                 request_id, _ = self._sending.pop(transfer_id)
+                if isinstance(event, rpc.RequestFailed):
+                    # The prefill's own log names why nothing (more) was pushed.
+                    log.warning(
+                        "kvpushd: push %s failed: %s %s", transfer_id, event.reason, event.message
+                    )
                 shares = self._pushes.get(request_id, set())
                 shares.discard(transfer_id)
                 if not shares:
