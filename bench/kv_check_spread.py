@@ -91,7 +91,7 @@ def cost_us(
     keep, compare = [], []
     for n in range(200):
         request = f"r{n}"
-        checks.plan(request, Plan(5, (Slot(0, n % 64),), 0, (), "prefill"))
+        checks.plan(request, Plan(5, (Slot(0, n % 64),), (0,), (), "prefill"))
         started = time.perf_counter()
         checks.landed({request}, set())
         keep.append(time.perf_counter() - started)

@@ -43,7 +43,7 @@ def checks(group: tuple[tuple[int, str, torch.Tensor], ...], tolerance: float = 
 
 
 def plan(block: int = 3, position: int = 100) -> Plan:
-    return Plan(position, (Slot(0, block),), 1, ("share-0",), "prefill-node")
+    return Plan(position, (Slot(0, block),), (1, 2), ("share-0",), "prefill-node")
 
 
 def test_a_token_recomputed_within_rounding_agrees_and_reports_its_difference() -> None:

@@ -55,6 +55,9 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
         yield pair
 
 
+CHECKS = "vllm:kvpushd_kv_checks_total"
+
+
 def _external(d: VllmServer) -> float:
     return d.metrics().total(EXTERNAL, source="external_kv_transfer")
 
@@ -67,8 +70,15 @@ def test_both_groups_move_the_window_only_inside_it_token_exact(hybrid: PD) -> N
     for control in ("reverse_group", "skip_stage_in"):
         prompt = [rng.randrange(2, 512) for _ in range(200)]
         single = p.complete(prompt, TOKENS).token_ids
+        caught = d.metrics().total(CHECKS, result="kv_mismatch")
         sent = prefill_leg(p, prompt)
         assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids != single, control
+        # The decode's own K/V caught it (a model of two KV cache groups: vLLM
+        # takes no load error for a running request, so the tokens were served);
+        # the pairing was quarantined, and an operator's clear lets loads in again.
+        assert d.metrics().total(CHECKS, result="kv_mismatch") == caught + 1, control
+        wait_idle(prefill, decode, timeout=10)
+        assert prefill.clear_quarantine(), control
     for length in (40, 150, 200, 300):
         prompt = [rng.randrange(2, 512) for _ in range(length)]
         single = p.complete(prompt, TOKENS).token_ids

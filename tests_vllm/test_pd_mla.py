@@ -40,6 +40,7 @@ from schemas.events import Released
 # its reference CPU MLA backend whatever the CPU (harness/tinydeepseek.py).
 ROPE = SERVER_ARGS
 BLOCK = 16
+CHECKS = "vllm:kvpushd_kv_checks_total"
 
 
 @pytest.fixture(scope="module")
@@ -58,14 +59,25 @@ def mla_sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Side]]:
         yield sides
 
 
-def test_a_misplaced_latent_changes_the_tokens(mla_sides: list[Side]) -> None:
-    """The control (the TP 1 instance's first load): its blocks named in reverse."""
+def test_a_misplaced_latent_is_caught_by_the_decodes_own_kv_and_recomputed(
+    mla_sides: list[Side],
+) -> None:
+    """The control (the TP 1 instance's first load): its blocks named in reverse.
+
+    Served, the misplaced latents change the tokens; the decode's own K/V of
+    the last token differs from what landed there (kvcheck.py), so vLLM
+    recomputes the prompt and the client gets the single instance's tokens.
+    """
     (p, prefill), (d, decode) = mla_sides
     prompt = [(11 * i) % 509 + 2 for i in range(100)]
     single = p.complete(prompt, TOKENS).token_ids
+    caught = d.metrics().total(CHECKS, result="kv_mismatch")
     sent = prefill_leg(p, prompt)
-    assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids != single
+    assert d.complete(prompt, TOKENS, kv_transfer_params=sent).token_ids == single
+    assert d.metrics().total(CHECKS, result="kv_mismatch") == caught + 1
     wait_idle(prefill, decode, timeout=10)
+    # The pairing was quarantined for it: an operator's clear lets the next loads in.
+    assert prefill.clear_quarantine()
 
 
 def test_tp2_to_tp1_one_prefill_rank_writes_each_latent(mla_sides: list[Side]) -> None:

@@ -75,6 +75,10 @@ def production(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
         prefill_env={"KVPUSHD_FAILPOINTS": "integrity.shift_src=corrupt@1"},
         prefill_daemon_extra=NO_CHECKS,
         decode_daemon_extra=NO_CHECKS,
+        # Every check off, the decode's own K/V check too: the control's wrong
+        # fp8 block must reach the oracle (tests_vllm/test_pd_drift.py and
+        # test_pd_mla.py pin that the check catches such a write).
+        decode_extra_config={"kv_check": False},
     ) as pair:
         yield pair
 

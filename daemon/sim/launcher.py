@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import random
 import secrets
@@ -298,6 +299,36 @@ class Daemon:
 
     def logs(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def quarantine(self, action: str = "list", timeout: float = 15.0) -> dict[str, Any]:
+        """``kvpushd quarantine list`` (or ``clear --all``) on this daemon, as an operator runs it.
+
+        Returns its ``--json`` document: ``quarantined`` (the pairings left)
+        and ``cleared`` (their ids).
+        """
+        argv = [sys.executable, "-m", "daemon.cli", "quarantine", action, "--json"]
+        argv += ["--all"] if action == "clear" else []
+        argv += ["--socket", self.socket]
+        if self.netns is not None:
+            argv = ["ip", "netns", "exec", self.netns, *argv]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=True)
+        document: dict[str, Any] = json.loads(done.stdout)
+        return document
+
+    def clear_quarantine(self, timeout: float = 15.0) -> list[str]:
+        """Wait for a pairing to be quarantined here, then clear every one; the ids cleared.
+
+        For tests whose negative control plants wrong KV on purpose: the
+        decode's own K/V check catches it, and the report reaches this
+        (prefill) daemon a moment after the request ended.
+        """
+        deadline = time.monotonic() + timeout
+        while not self.quarantine()["quarantined"]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.node}: no pairing was quarantined")
+            time.sleep(0.1)
+        cleared: list[str] = self.quarantine("clear")["cleared"]
+        return cleared
 
     def journal_events(self, request_id: str) -> list[Any]:
         """The journaled events of one request, in order (read while the daemon runs)."""

@@ -188,7 +188,7 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         with Swallowed(self._scheduler, "build_connector_meta"):
             return self._scheduler.take_metadata(scheduler_output)
-        return self._scheduler.take_metadata()  # this step's decisions as they are
+        return self._scheduler.salvage()
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -203,7 +203,9 @@ class Plan:
 
     position: int
     slots: tuple[Slot, ...]
-    first_block: int  # the first block it loaded (group 0): vLLM recomputes from there
+    # The blocks it loaded (group 0): vLLM recomputes from the first of them
+    # in the request's order, whatever order they were named in.
+    loaded: tuple[int, ...]
     shares: tuple[str, ...]  # the daemon requests it was loaded under
     peer: str  # the prefill's daemon (its node)
 
@@ -274,8 +276,8 @@ class LoadChecks:
         """A load the scheduler named a check for (``load.check``), under these ``shares``."""
         if load.check and load.block_ids and load.block_ids[0]:
             slots = tuple(Slot(*slot) for slot in load.check)
-            first = load.block_ids[0][0]
-            self.plan(load.request_id, Plan(load.position, slots, first, shares, load.peer))
+            loaded = tuple(load.block_ids[0])
+            self.plan(load.request_id, Plan(load.position, slots, loaded, shares, load.peer))
 
     def landed(self, request_ids: set[str], failed: set[str]) -> None:
         """These loads are over: keep the checked blocks of those that landed (before a forward)."""
@@ -327,10 +329,10 @@ class LoadChecks:
     ) -> list[Finding]:
         """The step's checks: findings logged, counted (``checked``) and kept as load errors.
 
-        One KV cache group: the first loaded block is a load error, vLLM then
-        drops the step's output for the request and recomputes (or fails)
-        it. Several: vLLM takes no load error for a running request, and the
-        line says so.
+        One KV cache group: the loaded blocks are load errors, vLLM then
+        drops the step's output for the request and recomputes it from the
+        first of them (or fails it). Several: vLLM takes no load error for a
+        running request, and the line says so.
         """
         self.drop(uncheck)
         if not check:
@@ -358,7 +360,7 @@ class LoadChecks:
                 "KV cache groups: its first token was computed from this KV",
             )
             if self._one_group:
-                self._invalid.add(found.plan.first_block)
+                self._invalid.update(found.plan.loaded)
         return findings
 
     def load_errors(self) -> set[int]:

@@ -476,6 +476,11 @@ class SchedulerSide:
         metadata, self._pending = self._pending, KvpushdConnectorMetadata()
         return metadata
 
+    def salvage(self) -> KvpushdConnectorMetadata:
+        """This step's decisions as they are, when ``take_metadata`` raised."""
+        metadata, self._pending = self._pending, KvpushdConnectorMetadata()
+        return metadata
+
     def unload(self, request_id: str) -> None:
         """Fail a load vLLM waits for that ``after_alloc`` raised in: the workers say it failed."""
         self._loading.discard(request_id)
