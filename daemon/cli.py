@@ -102,13 +102,18 @@ def add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         epilog=STATUS_EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    where = status.add_mutually_exclusive_group()
-    where.add_argument("--socket", help="the daemon's engine socket")
-    where.add_argument("--config", type=Path, help="the daemon's TOML config (names the socket)")
+    _add_daemon_socket(status)
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
     status.add_argument("--limit", type=int, default=10, metavar="N", help="oldest requests shown")
-    status.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply")
     status.set_defaults(func=cmd_status)
+
+
+def _add_daemon_socket(command: argparse.ArgumentParser) -> None:
+    """Where a command that asks a running daemon finds it, and how long it waits."""
+    where = command.add_mutually_exclusive_group()
+    where.add_argument("--socket", help="the daemon's engine socket")
+    where.add_argument("--config", type=Path, help="the daemon's TOML config (names the socket)")
+    command.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply")
 
 
 # --- `kvpushd quarantine` (daemon/ops/quarantine.py) ------------------------
@@ -135,15 +140,8 @@ def add_quarantine_parser(sub: argparse._SubParsersAction[argparse.ArgumentParse
     clear.add_argument("ids", nargs="*", help="the ids `kvpushd quarantine list` shows")
     clear.add_argument("--all", action="store_true", help="clear every quarantined pairing")
     for action in (listing, clear):
-        where = action.add_mutually_exclusive_group()
-        where.add_argument("--socket", help="the daemon's engine socket")
-        where.add_argument(
-            "--config", type=Path, help="the daemon's TOML config (names the socket)"
-        )
+        _add_daemon_socket(action)
         action.add_argument("--json", action="store_true", help="print the reply as JSON")
-        action.add_argument(
-            "--timeout", type=float, default=5.0, help="seconds to wait for a reply"
-        )
         action.set_defaults(func=cmd_quarantine)
 
 

@@ -92,6 +92,8 @@ def check_quarantine(
     decode: Fingerprint | None,
 ) -> None:
     """Raise TrimRefused(QUARANTINED) if the pairing of these two engines is quarantined."""
+    if not quarantine:  # every pairing's trim asks: no key to build when none is held
+        return
     entry = quarantine.get(pairing_key(prefill, decode))
     if entry is None:
         return
@@ -99,8 +101,8 @@ def check_quarantine(
         Reason.QUARANTINED,
         f"the pairing of these engines' fingerprints is quarantined (id {entry.id}): decode "
         f"{entry.peer} engine {entry.peer_engine or '?'} found request {entry.request_id}'s KV "
-        f"differs at layer {entry.layer}, position {entry.position} (max abs diff "
-        f"{entry.difference:.6g} > tolerance {entry.tolerance:.6g}); nothing is written "
+        f"differs at layer {entry.layer}, position {entry.position} (relative "
+        f"difference {entry.difference:.6g} > tolerance {entry.tolerance:.6g}); nothing is written "
         "(the decode side must compute this prompt; `kvpushd quarantine clear` ends it)",
     )
 

@@ -85,7 +85,7 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
         )
         # identity = false (a test switch): no up-front rope or weights
         # digest, so the behavioural check (kv_check) is seen alone.
-        self._identity = str(extra.get("identity", True)).lower() not in ("false", "0", "off")
+        self._identity = _switch(extra, "identity")
         if not self._identity:
             self._fingerprint = msgspec.structs.replace(self._fingerprint, rope="")
         # Each KV cache group's sliding window in tokens (0: full attention),
@@ -341,6 +341,11 @@ def _with_weights(instance: Fingerprint) -> Fingerprint:
     return msgspec.structs.replace(instance, weights=weights)
 
 
+def _switch(extra: dict[str, Any], name: str) -> bool:
+    """A connector setting that is on unless it says false (``false``, ``0``, ``off``)."""
+    return str(extra.get(name, True)).lower() not in ("false", "0", "off")
+
+
 def _kv_check(
     vllm_config: VllmConfig, extra: dict[str, Any], groups: int
 ) -> KvCheckSettings | None:
@@ -348,7 +353,7 @@ def _kv_check(
 
     ``kv_check_tolerance`` overrides the measured tolerance of its KV dtype.
     """
-    if str(extra.get("kv_check", True)).lower() in ("false", "0", "off"):
+    if not _switch(extra, "kv_check"):
         return None
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
     model_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")

@@ -66,25 +66,22 @@ class Slot(NamedTuple):
     block: int
 
 
-class Kept(NamedTuple):
-    """One group's checked block in every layer of the group, stacked: ``[layers, ...block]``."""
+Layers = tuple[tuple[int, str, torch.Tensor], ...]  # a group's (index, name, block-major view)
 
-    layers: tuple[tuple[int, str], ...]  # (layer index, name)
+
+class Kept(NamedTuple):
+    """One group's checked block, copied from every layer of the group: ``[layers, ...block]``.
+
+    ``layers`` are the group's views (vLLM's cache itself), read again after the forward.
+    """
+
+    layers: Layers
     block: int
     bytes: torch.Tensor
 
 
-@dataclass(frozen=True)
-class Snapshot:
-    """The pushed bytes of the checked blocks, taken before the forward."""
-
-    request_id: str
-    position: int  # the checked token's position in the prompt
-    groups: tuple[Kept, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(kept.bytes.nbytes for kept in self.groups)
+def _nbytes(kept: tuple[Kept, ...]) -> int:
+    return sum(group.bytes.nbytes for group in kept)
 
 
 class Disagreement(NamedTuple):
@@ -103,12 +100,7 @@ def tolerance_for(kv_cache_dtype: str, model_dtype: str) -> float:
     return TOLERANCE.get(name.removeprefix("torch."), DEFAULT_TOLERANCE)
 
 
-def take(
-    request_id: str,
-    position: int,
-    slots: tuple[Slot, ...],
-    group_layers: tuple[tuple[tuple[int, str, torch.Tensor], ...], ...],
-) -> Snapshot:
+def take(slots: tuple[Slot, ...], group_layers: tuple[Layers, ...]) -> tuple[Kept, ...]:
     """Copy the blocks of ``slots`` from every layer of their groups (block-major layer views)."""
     kept = []
     for group, block in slots:
@@ -118,13 +110,13 @@ def take(
         if not all(0 <= block < view.shape[0] for _, _, view in views):
             continue
         stacked = torch.stack([view[block] for _, _, view in views])
-        kept.append(Kept(tuple((index, name) for index, name, _ in views), block, stacked))
-    return Snapshot(request_id, position, tuple(kept))
+        kept.append(Kept(views, block, stacked))
+    return tuple(kept)
 
 
 def compare(
-    snapshot: Snapshot,
-    layers: dict[str, torch.Tensor],
+    kept: tuple[Kept, ...],
+    position: int,
     tolerance: float,
     as_values: torch.dtype | None = None,
 ) -> tuple[Disagreement | None, float]:
@@ -134,16 +126,16 @@ def compare(
     raw bytes (fp8 KV is stored as uint8).
     """
     worst = 0.0
-    for kept in snapshot.groups:
-        after = torch.stack([layers[name][kept.block] for _, name in kept.layers])
-        differences = relative_differences(kept.bytes, after, as_values)
+    for group in kept:
+        after = torch.stack([view[group.block] for _, _, view in group.layers])
+        differences = relative_differences(group.bytes, after, as_values)
         worst = max(worst, float(differences.max()))
         beyond = (~(differences <= tolerance)).nonzero()  # NaN is a disagreement too
         if len(beyond):
             at = int(beyond[0])
-            index, name = kept.layers[at]
+            index, name, _ = group.layers[at]
             difference = float(differences[at])
-            return Disagreement(index, name, snapshot.position, difference, tolerance), worst
+            return Disagreement(index, name, position, difference, tolerance), worst
     return None, worst
 
 
@@ -229,7 +221,7 @@ class LoadChecks:
 
     def __init__(
         self,
-        layers: tuple[tuple[tuple[int, str, torch.Tensor], ...], ...],
+        layers: tuple[Layers, ...],
         tolerance: float,
         as_values: torch.dtype | None = None,
         *,
@@ -238,13 +230,12 @@ class LoadChecks:
         max_bytes: int = 512 << 20,
     ) -> None:
         self._layers = layers
-        self._by_name = {name: view for group in layers for _, name, view in group}
         self._tolerance = tolerance
         self._as_values = as_values
         self._one_group = one_group
         self._bound = bound
         self._plans: dict[str, Plan] = {}
-        self._kept: dict[str, tuple[Snapshot, Plan]] = {}
+        self._kept: dict[str, tuple[tuple[Kept, ...], Plan]] = {}
         self._kept_bytes = 0
         self._max_bytes = max_bytes
         # Blocks of loads found not this engine's, for vLLM to recompute.
@@ -285,9 +276,9 @@ class LoadChecks:
             plan = self._plans.pop(request_id, None)
             if plan is None or request_id in failed:
                 continue
-            snapshot = take(request_id, plan.position, plan.slots, self._layers)
-            self._kept[request_id] = (snapshot, plan)
-            self._kept_bytes += snapshot.nbytes
+            kept = take(plan.slots, self._layers)
+            self._kept[request_id] = (kept, plan)
+            self._kept_bytes += _nbytes(kept)
             # Bounded in bytes too (a 70B rank keeps ~5 MiB a load): the
             # oldest, queued longest before its first forward, goes unchecked.
             while len(self._kept) > self._bound or self._kept_bytes > self._max_bytes:
@@ -298,10 +289,10 @@ class LoadChecks:
             self._plans.pop(request_id, None)
             self._forget(request_id)
 
-    def _forget(self, request_id: str) -> tuple[Snapshot, Plan] | None:
+    def _forget(self, request_id: str) -> tuple[tuple[Kept, ...], Plan] | None:
         kept = self._kept.pop(request_id, None)
         if kept is not None:
-            self._kept_bytes -= kept[0].nbytes
+            self._kept_bytes -= _nbytes(kept[0])
         return kept
 
     def after_forward(
@@ -317,8 +308,8 @@ class LoadChecks:
             kept = self._forget(request_id)
             if kept is None:
                 continue
-            snapshot, plan = kept
-            disagreement, worst = compare(snapshot, self._by_name, self._tolerance, self._as_values)
+            groups, plan = kept
+            disagreement, worst = compare(groups, plan.position, self._tolerance, self._as_values)
             differences.append((request_id, worst))
             if disagreement is not None:
                 findings.append(Finding(request_id, disagreement, plan))
