@@ -3,13 +3,14 @@
 The pair is what DeepSeek-style serving runs, scaled down: each side is two
 data-parallel engines (``--data-parallel-size 2``: one API server, two
 engine cores, each an instance of its own to its daemon), the KV cache is
-fp8 (``--kv-cache-dtype fp8``, one byte per element: vLLM's uint8 storage),
-and both sides speculate with a draft model (``method: draft_model``) whose
-weights are the target's own: vLLM caches the draft's KV in the same KV
-cache group, so it moves with the target's, and a draft that reads the right
-KV proposes exactly what the target then computes. The router picks each leg's
-engine with vLLM's ``X-data-parallel-rank`` header, so every (prefill
-engine, decode engine) combination is driven, not left to the balancer.
+fp8 (``--kv-cache-dtype fp8``, one byte per element: vLLM's uint8 storage)
+where the CPU can hold one, and both sides speculate with a draft model
+(``method: draft_model``) whose weights are the target's own: vLLM caches
+the draft's KV in the same KV cache group, so it moves with the target's,
+and a draft that reads the right KV proposes exactly what the target then
+computes. The router picks each leg's engine with vLLM's
+``X-data-parallel-rank`` header, so every (prefill engine, decode engine)
+combination is driven, not left to the balancer.
 
 fp8's scales: vLLM's CPU fp8 cache stores the values with the layer's
 ``k_scale``/``v_scale``, which come from the checkpoint (1.0 here), not from
@@ -19,12 +20,17 @@ below prove it. The fingerprint names the draft (method, model, tokens):
 a decode drafting with another model does not pair. (The n-gram proposer,
 which keeps no KV, is left out of it: tests/test_vllm_layout.py.)
 
+vLLM's CPU build stores an fp8 cache only on x86 with AVX-512 or AMX
+(``cpu_attn._get_attn_isa`` refuses it at start-up elsewhere, and CI's
+machines may lack both): there the pair runs the model's own dtype
+(float32) and every test below runs the same, with its element size.
+
 The oracle is the prefill instance asked without transfer parameters (the
 same weights, the same KV dtype, the same speculative settings): a single
 instance. The first transfer of the module is a planted misplacement (the
 prefill daemon writes its first blocks in place of the trimmed tail,
 ``integrity.shift_src``; integrity checks off so that it lands), and it must
-change the tokens: fp8 KV carries the context.
+change the tokens: the KV carries the context.
 """
 
 from __future__ import annotations
@@ -51,9 +57,20 @@ ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 DRAFT_TOKENS = 3
 
 
+def _fp8_cache_runs_here() -> bool:
+    """Whether vLLM's CPU attention can store an fp8 KV cache on this CPU."""
+    import torch
+
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
+# (--kv-cache-dtype, the fingerprint's kv_cache_dtype, bytes per element)
+KV_DTYPE, KV_BYTES = ("fp8", 1) if _fp8_cache_runs_here() else ("auto", 4)
+
+
 def _args(draft: Path) -> tuple[str, ...]:
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": DRAFT_TOKENS}
-    return ("--kv-cache-dtype", "fp8", "--speculative-config", json.dumps(spec))
+    return ("--kv-cache-dtype", KV_DTYPE, "--speculative-config", json.dumps(spec))
 
 
 # The planted misplacement must land to show that the tokens see it.
@@ -76,7 +93,7 @@ def production(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PD]:
         prefill_daemon_extra=NO_CHECKS,
         decode_daemon_extra=NO_CHECKS,
         # Every check off, the decode's own K/V check too: the control's wrong
-        # fp8 block must reach the oracle (tests_vllm/test_pd_drift.py and
+        # block must reach the oracle (tests_vllm/test_pd_drift.py and
         # test_pd_mla.py pin that the check catches such a write).
         decode_extra_config={"kv_check": False},
     ) as pair:
@@ -103,8 +120,8 @@ def _pd(
     return answer.token_ids, sent
 
 
-def test_a_misplaced_fp8_write_changes_the_tokens(production: PD) -> None:
-    """The control (this module's first push): the oracle sees a wrong fp8 block."""
+def test_a_misplaced_write_changes_the_tokens(production: PD) -> None:
+    """The control (this module's first push): the oracle sees a wrong block."""
     p, d, prefill, decode = production
     rng = random.Random(3)
     prompt = [rng.randrange(2, 512) for _ in range(200)]
@@ -136,12 +153,12 @@ def test_every_prefill_engine_feeds_every_decode_engine_token_exact(production: 
     for engine in (0, 1):
         loaded = after[engine] - before[engine]
         assert loaded >= 2 * sum(n - 1 for n in lengths), (engine, before, after)
-    # Each side's two DP engines are two engines to its daemon, both with an fp8 KV.
+    # Each side's two DP engines are two engines to its daemon, both with the KV dtype.
     for daemon in (prefill, decode):
         engines = replay(daemon.journal).registry.engines.values()
         assert len(engines) == 2, daemon.node
         dtypes = {e.fingerprint.kv_cache_dtype for e in engines if e.fingerprint is not None}
-        assert dtypes == {"fp8"}, (daemon.node, dtypes)
+        assert dtypes == {KV_DTYPE}, (daemon.node, dtypes)
 
 
 def test_the_draft_models_kv_moves_with_the_targets_and_its_drafts_are_accepted(
@@ -151,8 +168,8 @@ def test_the_draft_models_kv_moves_with_the_targets_and_its_drafts_are_accepted(
     p, d, prefill, decode = production
     rng = random.Random(12)
     model = TinyLlama()
-    # fp8: one byte per element; the target's layers and the draft's (the same model).
-    layer_block = model.num_key_value_heads * BLOCK * 2 * model.head_dim
+    # K and V of the target's layers and the draft's (the same model), KV_BYTES per element.
+    layer_block = model.num_key_value_heads * BLOCK * 2 * model.head_dim * KV_BYTES
     for length in (65, 160, 257):
         prompt = [rng.randrange(2, 512) for _ in range(length)]
         alone = p.metrics().total(ACCEPTED)
