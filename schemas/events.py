@@ -40,6 +40,18 @@ Position = Annotated[int, msgspec.Meta(ge=0, le=MAX_POSITION)]
 Difference = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_DIFFERENCE)]
 Detail = Annotated[str, msgspec.Meta(max_length=MAX_MISMATCH_DETAIL)]
 
+# Bounds of what an engine's offload tier names (statemachine/slots.py
+# checks them; an RPC may decode with them): an offload key (vLLM's block
+# hash with its group), a namespace (a digest of what makes KV comparable),
+# a digest of a slot's bytes, and the items of one call. A batch the core
+# makes itself (an eviction of every slot, a restart) is bounded by the
+# pool instead, at most ``MAX_POOL_SLOTS``: its record fits the journal's.
+MAX_KEY_BYTES: Final = 80
+MAX_NAMESPACE: Final = 128
+MAX_DIGEST_BYTES: Final = 64
+MAX_BATCH: Final = 4096
+MAX_POOL_SLOTS: Final = 1 << 20
+
 
 class _Event(msgspec.Struct, frozen=True, array_like=True, tag_field="ev"):
     """Base of all event bodies (never encoded by itself)."""
@@ -236,6 +248,108 @@ class QuarantineCleared(_Event, frozen=True, tag="quarantine_cleared"):
     quarantine_id: str = ""
 
 
+# The node's KV offload tier (statemachine/slots.py, its table
+# SLOT_TRANSITIONS): a pool of equal slots the daemon owns, each walking
+# free -> granted -> stored -> committed -> leased ... -> evicted -> free.
+# One record names a batch of slots; ``slots`` and ``generations`` are
+# parallel, each slot named with the generation it has when the record is
+# applied (a reset bumps it), so a late word about an older use is refused.
+
+
+class SlotsGranted(_Event, frozen=True, tag="slots_granted"):
+    """Free (zeroed) slots granted to one writer, ``holder``: an engine's offload tier."""
+
+    holder: str
+    slots: tuple[int, ...]
+    generations: tuple[int, ...]
+
+
+class SlotsStored(_Event, frozen=True, tag="slots_stored"):
+    """The writer says its bytes are in: each slot holds the KV of ``keys[i]`` in ``namespace``.
+
+    ``digests[i]`` is the digest of the slot's bytes as written, handed to
+    every reader with the slot.
+    """
+
+    holder: str
+    namespace: str
+    slots: tuple[int, ...]
+    generations: tuple[int, ...]
+    keys: tuple[bytes, ...]
+    digests: tuple[bytes, ...]
+
+
+class SlotsCommitted(_Event, frozen=True, tag="slots_committed"):
+    """Stored slots published in the content index: readable from now on."""
+
+    slots: tuple[int, ...]
+    generations: tuple[int, ...]
+
+
+class SlotsDiscarded(_Event, frozen=True, tag="slots_discarded"):
+    """Granted or stored slots given up unpublished; each waits for its reset.
+
+    ``why``: ``duplicate_key`` (a second commit of a committed key: the
+    first stays), ``abandoned`` (its writer is gone), ``restart`` (found
+    granted or stored at a daemon restart), ``not_zero`` (not zeroed at grant).
+    """
+
+    slots: tuple[int, ...]
+    generations: tuple[int, ...]
+    why: str
+
+
+class SlotsLeased(_Event, frozen=True, tag="slots_leased"):
+    """A reader, ``holder``, leases committed slots: a slot listed twice is two leases."""
+
+    holder: str
+    slots: tuple[int, ...]
+    generations: tuple[int, ...]
+
+
+class SlotsUnleased(_Event, frozen=True, tag="slots_unleased"):
+    """``holder`` gives leases back; a slot without a lease left is committed again."""
+
+    holder: str
+    slots: tuple[int, ...]
+    generations: tuple[int, ...]
+
+
+class SlotsEvicted(_Event, frozen=True, tag="slots_evicted"):
+    """Committed slots without a lease taken out of the index; each waits for its reset.
+
+    ``why``: ``lru``, ``pool_lost`` (the pool's memory did not survive a
+    restart), ``reset_cache`` (an engine's cache reset), ``operator``.
+    """
+
+    slots: tuple[int, ...]
+    generations: tuple[int, ...]
+    why: str
+
+
+class SlotsReset(_Event, frozen=True, tag="slots_reset"):
+    """Evicted slots zeroed by the shell (before this is journaled): free, generation + 1."""
+
+    slots: tuple[int, ...]
+    generations: tuple[int, ...]
+
+
+class PoolOpened(_Event, frozen=True, tag="pool_opened"):
+    """The offload pool as the daemon opened it at start.
+
+    ``survived``: the pool's memory is the one the journal's slots were
+    written in (it outlived the daemon). A pool of another size or id than
+    the journal's, or one that did not survive, holds none of the
+    journal's content: the core evicts every committed slot first
+    (``SlotPool.check_pool_opened``).
+    """
+
+    slots: int
+    slot_bytes: int
+    pool_id: str
+    survived: bool
+
+
 Event = (
     DaemonStarted
     | EngineAttached
@@ -255,6 +369,26 @@ Event = (
     | Held
     | KvMismatch
     | QuarantineCleared
+    | PoolOpened
+    | SlotsGranted
+    | SlotsStored
+    | SlotsCommitted
+    | SlotsDiscarded
+    | SlotsLeased
+    | SlotsUnleased
+    | SlotsEvicted
+    | SlotsReset
+)
+
+SlotEvent = (
+    SlotsGranted
+    | SlotsStored
+    | SlotsCommitted
+    | SlotsDiscarded
+    | SlotsLeased
+    | SlotsUnleased
+    | SlotsEvicted
+    | SlotsReset
 )
 
 RequestEvent = (

@@ -66,6 +66,23 @@ class Reason(enum.StrEnum):
     # engine registers with another fingerprint or an operator clears it.
     QUARANTINED = "quarantined"
 
+    # The node's KV offload tier (statemachine/slots.py): a slot's lifecycle
+    # refused. Writing a slot not granted to the writer, or a committed one;
+    # reading (leasing) one not committed, or an evicted one; granting one
+    # not reset since its last use; naming a slot by a generation it no
+    # longer has; unleasing a slot the holder holds no lease on; evicting a
+    # leased one; and malformed input (a slot out of range, lengths that
+    # disagree, a key, namespace or digest too long, too many items).
+    SLOT_NOT_GRANTED = "slot_not_granted"
+    SLOT_COMMITTED = "slot_committed"
+    SLOT_NOT_COMMITTED = "slot_not_committed"
+    SLOT_EVICTED = "slot_evicted"
+    SLOT_NOT_RESET = "slot_not_reset"
+    SLOT_STALE = "slot_stale"
+    SLOT_NOT_LEASED = "slot_not_leased"
+    SLOT_LEASED = "slot_leased"
+    BAD_OFFLOAD = "bad_offload"
+
 
 # Which reasons each journaled event can carry, for the metric families that
 # count them by reason (a series for a reason that cannot occur there would
@@ -102,6 +119,16 @@ REFUSAL_REASONS: frozenset[Reason] = frozenset(
         Reason.BAD_SLOT,
         # An offload slot not zero at grant (daemon/node/integrity.py).
         Reason.INTEGRITY_MISMATCH,
+        # The offload tier's slots (statemachine/slots.py).
+        Reason.SLOT_NOT_GRANTED,
+        Reason.SLOT_COMMITTED,
+        Reason.SLOT_NOT_COMMITTED,
+        Reason.SLOT_EVICTED,
+        Reason.SLOT_NOT_RESET,
+        Reason.SLOT_STALE,
+        Reason.SLOT_NOT_LEASED,
+        Reason.SLOT_LEASED,
+        Reason.BAD_OFFLOAD,
     }
 )
 

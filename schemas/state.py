@@ -125,6 +125,58 @@ class Quarantined(msgspec.Struct, frozen=True, omit_defaults=True):
     mismatches: int = 1
 
 
+class SlotState(enum.StrEnum):
+    """Where one slot of the node's offload pool is (statemachine/slots.py ``SLOT_TRANSITIONS``).
+
+    FREE means reset: zeroed, grantable. EVICTED waits for its reset.
+    """
+
+    FREE = "free"
+    GRANTED = "granted"
+    STORED = "stored"
+    COMMITTED = "committed"
+    LEASED = "leased"
+    EVICTED = "evicted"
+
+
+class SlotRecord(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """One slot of the offload pool as data (snapshots list those not free at generation 0).
+
+    ``holder`` is its writer, from its grant to its reset; ``namespace``,
+    ``key`` and ``digest`` what it stored, kept until its reset (in the
+    index only while committed or leased); ``leases`` each reader's count.
+    """
+
+    slot: int
+    state: SlotState
+    generation: int
+    holder: str = ""
+    namespace: str = ""
+    key: bytes = b""
+    digest: bytes = b""
+    leases: tuple[tuple[str, int], ...] = ()
+
+
+class SlotPoolSnapshot(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The offload pool as data (statemachine/slots.py ``SlotPool.snapshot``).
+
+    ``records`` lists every slot that is not free at generation 0, by
+    number; ``recency`` the committed and leased slots, least recently used
+    first; ``evicted`` the evicted ones in the order they were evicted (the
+    order they are reset in); ``retired_generation`` the highest
+    generation of a slot a smaller pool dropped (a slot that comes back
+    starts above it).
+    """
+
+    size: int
+    slot_bytes: int
+    pool_id: str
+    records: tuple[SlotRecord, ...] = ()
+    recency: tuple[int, ...] = ()
+    evicted: tuple[int, ...] = ()
+    retired_generation: int = 0
+
+
 class RegistrySnapshot(msgspec.Struct, frozen=True, omit_defaults=True):
     """The whole registry as data: written to snapshots, compared in tests.
 
@@ -132,6 +184,8 @@ class RegistrySnapshot(msgspec.Struct, frozen=True, omit_defaults=True):
     slots), in grant order; omitted when none is held, so a registry without
     grants encodes as it did before grants were journaled. ``quarantine``:
     the quarantined pairings (none: omitted, as before there were any).
+    ``slots``: the node's offload pool and its content index (none opened:
+    omitted, as before there was one).
     """
 
     last_seq: int
@@ -141,3 +195,4 @@ class RegistrySnapshot(msgspec.Struct, frozen=True, omit_defaults=True):
     tombstones: tuple[tuple[str, int], ...]
     offload: tuple[tuple[str, tuple[int, ...]], ...] = ()
     quarantine: tuple[Quarantined, ...] = ()
+    slots: SlotPoolSnapshot | None = None

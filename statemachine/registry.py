@@ -20,6 +20,10 @@ Refusal rules enforced here:
   slot after a crash (the shell zeroes a slot before it is granted again);
 * a release while a write may be in flight is deferred, never honoured
   (invariant 2).
+
+The node's offload tier (its pool of slots and their content index) is
+:class:`statemachine.slots.SlotPool`, ``Registry.slots``: every slot event
+is folded there, and it travels in the registry's snapshot.
 """
 
 from __future__ import annotations
@@ -38,10 +42,19 @@ from schemas.events import (
     KvMismatch,
     KvReady,
     PeerRegistered,
+    PoolOpened,
     QuarantineCleared,
     Refused,
     Registered,
     RequestEvent,
+    SlotsCommitted,
+    SlotsDiscarded,
+    SlotsEvicted,
+    SlotsGranted,
+    SlotsLeased,
+    SlotsReset,
+    SlotsStored,
+    SlotsUnleased,
     Trimmed,
 )
 from schemas.fingerprint import Fingerprint
@@ -69,6 +82,7 @@ from statemachine.quarantine import (
     quarantined_by,
 )
 from statemachine.reactions import Stimulus, Why, react, react_pending
+from statemachine.slots import SlotPool
 from statemachine.tombstones import Tombstones
 from statemachine.transitions import apply as apply_transition
 from statemachine.transitions import deadline_seconds
@@ -229,6 +243,9 @@ class Registry:
         # and the last released transfers, which a late mismatch report names.
         self.quarantine: dict[PairingKey, Quarantined] = {}
         self.recent = RecentReleases()
+        # The node's offload tier: its slots, their lifecycle and the content
+        # index (statemachine/slots.py); the slot events fold there.
+        self.slots = SlotPool()
 
     # ------------------------------------------------------------------ queries
 
@@ -867,6 +884,10 @@ class Registry:
         self.quarantine.pop(pairing_key(event.prefill_fingerprint, event.decode_fingerprint), None)
         return None
 
+    def _apply_slots(self, event: Event, ts: float) -> None:
+        self.slots.apply(event)
+        return None
+
     def _claim(self, record: RequestRecord) -> None:
         owned, engine_id, request_id = self._owners, record.engine_id, record.request_id
         pools = self._pools(engine_id)
@@ -926,6 +947,7 @@ class Registry:
             tombstones=tuple(self.tombstones),
             offload=tuple(self._granted.items()),
             quarantine=tuple(self.quarantine.values()),
+            slots=self.slots.snapshot() if self.slots.opened else None,
         )
 
     @classmethod
@@ -943,6 +965,8 @@ class Registry:
         registry.quarantine = {
             pairing_key(q.prefill_fingerprint, q.decode_fingerprint): q for q in snap.quarantine
         }
+        if snap.slots is not None:
+            registry.slots = SlotPool.from_snapshot(snap.slots)
         for record in snap.live:
             registry.live[record.request_id] = record
             if record.role is RECEIVER:
@@ -976,4 +1000,13 @@ _HANDLERS: dict[type, Callable[[Registry, Any, float], RequestRecord | None]] = 
     Refused: Registry._apply_nothing,
     KvMismatch: Registry._apply_kv_mismatch,
     QuarantineCleared: Registry._apply_quarantine_cleared,
+    PoolOpened: Registry._apply_slots,
+    SlotsGranted: Registry._apply_slots,
+    SlotsStored: Registry._apply_slots,
+    SlotsCommitted: Registry._apply_slots,
+    SlotsDiscarded: Registry._apply_slots,
+    SlotsLeased: Registry._apply_slots,
+    SlotsUnleased: Registry._apply_slots,
+    SlotsEvicted: Registry._apply_slots,
+    SlotsReset: Registry._apply_slots,
 }
