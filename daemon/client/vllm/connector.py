@@ -11,12 +11,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
-import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -29,11 +27,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from daemon.client.vllm import stats as vs
 from daemon.client.vllm.adapters import adapter_key
 from daemon.client.vllm.guard import Swallowed, bound
+from daemon.client.vllm.identity import instance_fingerprint, with_weights
 from daemon.client.vllm.inputs import counts_inputs
 from daemon.client.vllm.kvcheck import KvCheckSettings, tolerance_for, values_dtype
 from daemon.client.vllm.layout import (
     check_supported,
-    fingerprint,
     group_states,
     group_windows,
     mla_rope_warning,
@@ -42,9 +40,7 @@ from daemon.client.vllm.metadata import KvpushdConnectorMetadata
 from daemon.client.vllm.scheduler import HOLD_EVERY_S, SchedulerSide
 from daemon.client.vllm.sharedmemory import kv_memory
 from daemon.client.vllm.staging import SHARED, kv_buffer
-from daemon.client.vllm.weights import calling_model, model_digest
 from daemon.client.vllm.worker import WorkerSide
-from schemas.fingerprint import Fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -76,13 +72,7 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
         self._address = str(extra.get("address", ""))
         self._block_size = vllm_config.cache_config.block_size
         # What produced this instance's KV: the same on the scheduler and the worker.
-        self._fingerprint = fingerprint(
-            vllm_config,
-            vllm.__version__,
-            str(extra.get("model_id") or ""),
-            kv_cache_config,
-            attention_isa=_attention_isa(vllm_config),
-        )
+        self._fingerprint = instance_fingerprint(vllm_config, extra, kv_cache_config)
         # identity = false (a test switch): no up-front rope or weights
         # digest, so the behavioural check (kv_check) is seen alone.
         self._identity = _switch(extra, "identity")
@@ -130,7 +120,7 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
                 str(socket_path),
                 engine_id,
                 # The engine registers with its rank's weights digest too.
-                _with_weights(self._fingerprint) if self._identity else self._fingerprint,
+                with_weights(self._fingerprint) if self._identity else self._fingerprint,
                 rank,
                 tp_size,
                 stage,
@@ -300,45 +290,6 @@ class KvpushdConnector(KVConnectorBase_V1, SupportsHMA):
 
 
 # ---------------------------------------------------------------- scheduler
-
-
-def _attention_isa(vllm_config: VllmConfig) -> str:
-    """The kernel family vLLM's CPU attention lays this instance's blocks out for ("": not CPU).
-
-    The CPU kernels write a block's keys dimension-major (``[head_size,
-    block_size]`` per head) in the "vec" kernels, and in tiles of their own
-    in others ("amx" for bfloat16 where the CPU has AMX): two hosts of one
-    model and block size can hold the same KV in different bytes.
-    """
-    model = vllm_config.model_config
-    device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
-    if device != "cpu" or getattr(model, "use_mla", False):
-        return ""
-    try:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-    except ImportError:  # a vLLM without it: the layout is named by the rest alone
-        return ""
-    cache = vllm_config.cache_config
-    return str(
-        _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
-    )
-
-
-def _with_weights(instance: Fingerprint) -> Fingerprint:
-    """``instance`` with this worker rank's weights digest (daemon/client/vllm/weights.py).
-
-    vLLM builds the worker's connector after loading the model; the digest
-    is taken once, here. Not reached (another vLLM's call path): none, and
-    the pairing compares no weights for this engine.
-    """
-    model = calling_model()
-    if model is None:
-        log.warning("kvpushd: the loaded model was not found: this engine names no weights digest")
-        return instance
-    started = time.perf_counter()
-    weights = model_digest(model)
-    log.info("kvpushd: weights digest %s in %.3f s", weights, time.perf_counter() - started)
-    return msgspec.structs.replace(instance, weights=weights)
 
 
 def _switch(extra: dict[str, Any], name: str) -> bool:
