@@ -18,10 +18,11 @@ import msgspec
 
 from daemon.journal.format import JournalCorrupt, JournalError
 from daemon.journal.reader import require_journal
-from daemon.journal.replay import ReplayError, iter_records, replay
+from daemon.journal.replay import ReplayError, decode_snapshot, iter_records, replay
 from daemon.journal.stats import JournalStats
 from daemon.ops.texttable import table
 from schemas.events import Record
+from statemachine.slots import SlotLine, SlotPool, slot_history
 
 # `journal verify` exit codes: scripts and operators branch on them.
 EXIT_CLEAN = 0
@@ -94,10 +95,47 @@ def _show_line(record: Record) -> str:
     )
 
 
+def _slot_lines(args: argparse.Namespace) -> list[str]:
+    """``--slot N``: the slot's history (statemachine/slots.py ``slot_history``), each record
+    with the slot's state and generation after it, and the flag of one replay would refuse
+    (a read of a generation the slot no longer had, above all)."""
+    contents, records = iter_records(args.path, salvage=True)
+    pool = None
+    if contents.snapshot is not None:
+        snap = decode_snapshot(contents.snapshot[1]).slots
+        pool = SlotPool.from_snapshot(snap) if snap is not None else None
+    return [_slot_line(line, args.json) for line in slot_history(records, args.slot, pool)]
+
+
+def _slot_line(line: SlotLine, as_json: bool) -> str:
+    record = line.record
+    state = line.state.value if line.state is not None else None
+    if as_json:
+        return msgspec.json.encode(
+            {
+                "seq": record.seq,
+                "ts": record.ts,
+                "time": iso_utc(record.ts),
+                "node": record.node,
+                "event": type(record.event).__name__,
+                **msgspec.structs.asdict(record.event),
+                "slot_state": state,
+                "generation": line.generation,
+                "flag": line.flag,
+            }
+        ).decode()
+    text = f"{_show_line(record)}  => {state or 'none'} gen {line.generation}"
+    return f"{text}  FLAGGED: {line.flag}" if line.flag else text
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     if _not_a_journal(args.path):
         return EXIT_CORRUPT
     try:
+        if args.slot is not None:
+            for text in _slot_lines(args):
+                print(text)
+            return EXIT_CLEAN
         _, records = iter_records(args.path, salvage=True)
         for record in records:
             if args.request and getattr(record.event, "request_id", None) != args.request:
@@ -187,6 +225,12 @@ def add_parsers(jsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     show = jsub.add_parser("show", help="print events, optionally of one request")
     show.add_argument("path", type=Path, help=_PATH_HELP)
     show.add_argument("--request", help="only events of this request id")
+    show.add_argument(
+        "--slot",
+        type=int,
+        help="the history of this offload slot; a record replay would refuse (a read of "
+        "a generation the slot no longer had) is FLAGGED",
+    )
     show.add_argument("--json", action="store_true", help="one JSON object per line")
     show.set_defaults(func=cmd_show)
 
