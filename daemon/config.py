@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from schemas.config import DEFAULT_LISTEN, Config
+from schemas.config import DEFAULT_LISTEN, OFFLOAD_SLOT_ALIGN, Config, OffloadConfig
 from schemas.state import Deadlines
 
 # sun_path is 108 bytes on Linux, the terminating NUL included.
@@ -78,6 +78,33 @@ def _check(config: Config) -> None:
         raise ConfigError("peer_connect_timeout_s: must be > 0 seconds")
     if config.peer_idle_close_s < 0:
         raise ConfigError("peer_idle_close_s: must be >= 0 seconds (0: never close)")
+    _check_offload(config.offload)
+
+
+def _check_offload(offload: OffloadConfig) -> None:
+    """The [offload] tier's rules that relate its fields (ranges: schemas/config.py)."""
+    if not offload.enabled:
+        if offload.slot_bytes or offload.path or offload.reserve:
+            raise ConfigError("offload.slots: set it (> 0) to turn the tier on, or drop [offload]")
+        return
+    if offload.slot_bytes < OFFLOAD_SLOT_ALIGN or offload.slot_bytes % OFFLOAD_SLOT_ALIGN:
+        raise ConfigError(
+            f"offload.slot_bytes: must be a multiple of {OFFLOAD_SLOT_ALIGN} (whole pages) and "
+            f"hold one offloaded block, got {offload.slot_bytes}"
+        )
+    if offload.reserve > offload.slots:
+        raise ConfigError(
+            f"offload.reserve: {offload.reserve} is more than the {offload.slots} slots"
+        )
+    if offload.path:
+        # The same rule as an engine's region paths (daemon/dataplane/memory.py).
+        real = os.path.realpath(offload.path)
+        shm = os.path.realpath("/dev/shm")
+        if not os.path.isabs(offload.path) or real == shm or os.path.commonpath([real, shm]) != shm:
+            raise ConfigError(
+                f'offload.path: {offload.path!r} must be a file under /dev/shm (or "" '
+                f"for a pool that dies with the daemon)"
+            )
 
 
 def resolve_group(group: int | str) -> int:

@@ -100,6 +100,42 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tombstones: Positive = 100_000
 
 
+# The offload pool's header page: the pool's slots start after it (daemon/dataplane/pool.py).
+OFFLOAD_HEADER_BYTES: Final = 4096
+# A slot is whole pages: slots stay page-aligned in every mapping (a GPU
+# engine pins them for DMA) and are zeroed and checked a word at a time.
+OFFLOAD_SLOT_ALIGN: Final = 4096
+MAX_OFFLOAD_SLOTS: Final = 1 << 24
+MAX_OFFLOAD_SLOT_BYTES: Final = 1 << 30
+
+
+class OffloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The node's KV offload tier (README.md, "Offload tier").
+
+    ``slots`` equal slots of ``slot_bytes`` bytes each, in one pool the
+    daemon owns and hands to engines by descriptor. ``path`` "": an
+    anonymous memfd that dies with the daemon (every key misses after a
+    restart); a path under /dev/shm: a file that survives daemon restarts
+    (its committed keys hit again). ``reserve``: slots kept reset and free
+    ahead of grants (0: slots // 16, at least 1). Rules relating the fields
+    (alignment, reserve <= slots, where path may be) are in daemon/config.py.
+    """
+
+    slots: Annotated[int, msgspec.Meta(ge=0, le=MAX_OFFLOAD_SLOTS)] = 0  # 0: no tier
+    slot_bytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_OFFLOAD_SLOT_BYTES)] = 0
+    path: str = ""
+    reserve: Annotated[int, msgspec.Meta(ge=0, le=MAX_OFFLOAD_SLOTS)] = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.slots > 0
+
+    @property
+    def reserved(self) -> int:
+        """The slots kept free ahead of grants (``reserve``, or its default)."""
+        return self.reserve or max(1, self.slots // 16)
+
+
 class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     node: str = "kvpushd"
     socket: str = ""  # empty: $RUNTIME_DIRECTORY/NODE.sock, else /tmp/kvpushd-UID/NODE.sock
@@ -141,3 +177,4 @@ class Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     nixl: NixlConfig = NixlConfig()
     limits: LimitsConfig = LimitsConfig()
     integrity: IntegrityConfig = IntegrityConfig()
+    offload: OffloadConfig = OffloadConfig()
