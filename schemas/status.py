@@ -74,6 +74,27 @@ class DataPlaneCounters(_Part, frozen=True):
     bytes_written: int = 0
 
 
+class OffloadLine(_Part, frozen=True):
+    """The node's KV offload tier (README.md, "Offload tier"); None when it is off."""
+
+    slots: int = 0
+    slot_bytes: int = 0
+    pool_id: str = ""
+    path: str = ""  # "": an anonymous memfd
+    survived: bool = False  # the pool's memory outlived the last daemon
+    reserve: int = 0  # slots kept free ahead of grants
+    by_state: dict[str, int] = {}  # slots per state (schemas/state.py SlotState)
+    holders: int = 0  # tier clients with a live connection
+    # Since the daemon started: keys looked up (hit, miss), stored (committed,
+    # duplicate: the first kept), slots reset, slots found not zero at grant.
+    hits: int = 0
+    misses: int = 0
+    committed: int = 0
+    duplicates: int = 0
+    resets: int = 0
+    not_zero: int = 0
+
+
 class StatusDocument(_Part, frozen=True):
     node: str = ""
     version: str = ""
@@ -94,3 +115,4 @@ class StatusDocument(_Part, frozen=True):
     dataplane: DataPlaneCounters = DataPlaneCounters()
     writes_in_flight: int = 0
     metrics_port: int | None = None  # set when the daemon serves metrics
+    offload: OffloadLine | None = None  # the offload tier, when configured

@@ -34,7 +34,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from daemon.journal.groupcommit import GroupCommit
@@ -52,7 +52,7 @@ from schemas.events import (
 )
 from schemas.layout import Role
 from schemas.reasons import FAILURE_REASONS, REFUSAL_REASONS, Reason
-from schemas.state import RequestRecord, State
+from schemas.state import RequestRecord, SlotState, State
 from schemas.status import StatusDocument
 
 log = structlog.get_logger("kvpushd.metrics")
@@ -349,6 +349,7 @@ class _NodeCollector(Collector):
         yield from self._peers(doc)
         yield from self._journal(doc)
         yield from self._engines(doc)
+        yield from self._offload(doc)
 
     def _gauge(self, name: str, doc: str, value: float | None = None) -> GaugeMetricFamily:
         return GaugeMetricFamily(f"{NAMESPACE}_{name}", doc, value=value)
@@ -413,4 +414,42 @@ class _NodeCollector(Collector):
             "engines_connected",
             "Registered engines with a live connection.",
             sum(e.connected for e in engines),
+        )
+
+    def _offload(self, doc: StatusDocument) -> Iterable[Metric]:
+        """The offload tier (README.md, "Offload tier"): nothing when it is off."""
+        tier = doc.offload
+        if tier is None:
+            return
+        slots = GaugeMetricFamily(
+            f"{NAMESPACE}_offload_slots", "Offload pool slots by state.", labels=["state"]
+        )
+        for state in SlotState:
+            slots.add_metric([state.value], tier.by_state.get(state.value, 0))
+        yield slots
+        lookups = CounterMetricFamily(
+            f"{NAMESPACE}_offload_lookups",
+            "Offload keys looked up (leased on a hit).",
+            labels=["result"],
+        )
+        lookups.add_metric(["hit"], tier.hits)
+        lookups.add_metric(["miss"], tier.misses)
+        yield lookups
+        stores = CounterMetricFamily(
+            f"{NAMESPACE}_offload_stores",
+            "Offload slots stored: committed, or a duplicate key (the first kept, this one reset).",
+            labels=["result"],
+        )
+        stores.add_metric(["committed"], tier.committed)
+        stores.add_metric(["duplicate"], tier.duplicates)
+        yield stores
+        yield CounterMetricFamily(
+            f"{NAMESPACE}_offload_resets",
+            "Offload slots zeroed, checked and journaled reset.",
+            value=tier.resets,
+        )
+        yield CounterMetricFamily(
+            f"{NAMESPACE}_offload_not_zero",
+            "Offload slots found not zero when granted (discarded and reset, never granted).",
+            value=tier.not_zero,
         )

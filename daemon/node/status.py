@@ -16,6 +16,7 @@ from schemas.status import (
     DataPlaneCounters,
     EngineLine,
     JournalLine,
+    OffloadLine,
     OldestRequest,
     PeerLine,
     RequestLine,
@@ -47,6 +48,7 @@ def status_document(
     dataplane: DataPlane,
     writes_in_flight: int,
     metrics_port: int | None,
+    offload: OffloadLine | None = None,
 ) -> StatusDocument:
     live = list(registry.live.values())
     by_state: dict[str, int] = {}
@@ -95,6 +97,7 @@ def status_document(
         ),
         writes_in_flight=writes_in_flight,
         metrics_port=metrics_port,
+        offload=offload,
     )
 
 

@@ -230,9 +230,31 @@ def _peers(st: dict[str, Any]) -> str:
     return table(["peer", "address", "link", "direction", "last heard", "boot id"], rows)
 
 
+def _offload(tier: dict[str, Any]) -> str:
+    """The offload tier: its pool, slots by state, and what it served."""
+    looked = tier["hits"] + tier["misses"]
+    rate = f"{100 * tier['hits'] / looked:.1f} %" if looked else "-"
+    where = tier["path"] or "memfd"
+    kept = "survived the last restart" if tier["survived"] else "new at this start"
+    states = ", ".join(f"{state} {n}" for state, n in tier["by_state"].items())
+    return "\n".join(
+        [
+            f"offload  {tier['slots']} slots of {tier['slot_bytes']} bytes in {where} "
+            f"(pool {tier['pool_id'][:12]}, {kept}), reserve {tier['reserve']}, "
+            f"{_n(tier['holders'], 'holder')}",
+            f"         slots: {states}",
+            f"         lookups {looked}, hit rate {rate}; stored {tier['committed']}, "
+            f"duplicates {tier['duplicates']}; resets {tier['resets']}, "
+            f"not zero at grant {tier['not_zero']}",
+        ]
+    )
+
+
 def render(st: dict[str, Any], *, limit: int = 10) -> str:
     """The status document as an operator reads it."""
     sections = ["\n".join(_summary(st))]
+    if st.get("offload"):
+        sections.append(_offload(st["offload"]))
     if st["live"]:
         sections += [_states(st), _requests(st, limit)]
     sections.append(_engines(st) if st["engines"] else "engines: none registered")
