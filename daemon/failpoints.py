@@ -180,6 +180,13 @@ POINTS: Final[Mapping[str, Point]] = MappingProxyType(
             io=False,
             corrupts=True,
         ),
+        "offload.skip_reset": Point(
+            "OffloadTier._reset_round (daemon/node/offload.py): a round of evicted offload "
+            "slots is journaled reset without being zeroed (a planted stale slot the grant's "
+            "zero check must catch; one hit per round)",
+            io=False,
+            corrupts=True,
+        ),
         "integrity.shift_src": Point(
             "_wire_src (daemon/node/transfers.py): the pusher hands NIXL the "
             "front of its blocks instead of the trimmed tail (a planted front-trim)",

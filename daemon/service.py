@@ -12,6 +12,7 @@ import structlog
 
 from daemon.affinity import pin
 from daemon.dataplane.errors import DataPlaneError
+from daemon.dataplane.pool import PoolError
 from daemon.journal.format import JournalCorrupt, JournalFatal, JournalLocked
 from daemon.journal.replay import ReplayError
 from daemon.node.engine_server import EngineApp, EngineServer, Identity
@@ -132,6 +133,11 @@ async def _open_node(node: Node) -> None:
             f"NIXL data plane (nixl.backend = {node.config.nixl.backend!r}): {exc}; "
             f"set nixl.backend to an installed plugin (UCX by default)"
         ) from exc
+    except PoolError as exc:
+        raise StartupError(
+            f"offload pool: {exc}; fix [offload] (a smaller slots or slot_bytes, a path under "
+            f"/dev/shm the daemon's user may write, or more room in /dev/shm)"
+        ) from exc
     except JournalLocked as exc:
         raise StartupError(
             f"journal {where} is in use by another kvpushd; stop it, or give this daemon "
@@ -224,7 +230,7 @@ async def serve(config: Config, notifier: Notifier | None = None) -> int:
             EngineApp(
                 calls=node.calls,
                 status=node.status,
-                disconnected=node.engines.disconnected,
+                disconnected=node.disconnected,
                 life=node.life,
             )
         )

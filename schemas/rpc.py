@@ -14,7 +14,18 @@ from typing import Annotated, Final
 
 import msgspec
 
-from schemas.events import Detail, Difference, Incarnation, Layer, Position, ReportedId
+from schemas.events import (
+    MAX_BATCH,
+    MAX_DIGEST_BYTES,
+    MAX_KEY_BYTES,
+    MAX_NAMESPACE,
+    Detail,
+    Difference,
+    Incarnation,
+    Layer,
+    Position,
+    ReportedId,
+)
 from schemas.fingerprint import Fingerprint
 from schemas.kvlayout import GroupSpec, MemoryNote, RegionSpec
 from schemas.layout import Role
@@ -179,6 +190,83 @@ class QuarantineClear(_Request, frozen=True, tag="quarantine_clear"):
     every: bool = False
 
 
+# ------------------------------------------------------ the offload tier
+
+# Bounds of every offload call (README.md, "Offload tier"): what one call
+# may name, so that no frame, journal record or reply grows without bound;
+# the core's own (schemas/events.py), checked here as the frame is decoded.
+MAX_OFFLOAD_BATCH: Final = MAX_BATCH  # slots or keys in one call
+MAX_HOLDER: Final = 128  # characters of a holder's name
+MAX_SLOT: Final = (1 << 31) - 1
+MAX_GENERATION: Final = (1 << 63) - 1
+
+Holder = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_HOLDER)]
+Namespace = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAMESPACE)]
+Slot = Annotated[int, msgspec.Meta(ge=0, le=MAX_SLOT)]
+Generation = Annotated[int, msgspec.Meta(ge=0, le=MAX_GENERATION)]
+OffloadKey = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES)]
+Digest = Annotated[bytes, msgspec.Meta(max_length=MAX_DIGEST_BYTES)]
+Slots = Annotated[tuple[Slot, ...], msgspec.Meta(max_length=MAX_OFFLOAD_BATCH)]
+Generations = Annotated[tuple[Generation, ...], msgspec.Meta(max_length=MAX_OFFLOAD_BATCH)]
+OffloadKeys = Annotated[tuple[OffloadKey, ...], msgspec.Meta(max_length=MAX_OFFLOAD_BATCH)]
+Digests = Annotated[tuple[Digest, ...], msgspec.Meta(max_length=MAX_OFFLOAD_BATCH)]
+
+
+class OffloadAttach(_Request, frozen=True, tag="offload_attach"):
+    """Map the node's offload pool: answered by :class:`OffloadPool`, its descriptor attached.
+
+    The reply's first bytes carry the pool's descriptor (SCM_RIGHTS), so a
+    client reads it with ``recvmsg`` (daemon/client/pool.py ``attach_pool``,
+    a connection of its own). ``holder`` names the tier client; the daemon
+    keeps what a holder was granted and leased while any connection that
+    named it lives, and gives it all up (``abandon``) when the last closes.
+    """
+
+    holder: Holder
+
+
+class OffloadGrant(_Request, frozen=True, tag="offload_grant"):
+    """Up to ``n`` reset, zero slots for ``holder`` to write (fewer, even none, when short)."""
+
+    holder: Holder
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_OFFLOAD_BATCH)]
+
+
+class OffloadStore(_Request, frozen=True, tag="offload_store"):
+    """Publish written slots: ``keys[i]`` is in ``slots[i]`` (granted at ``generations[i]``).
+
+    ``digests[i]`` is the writer's digest of the slot's bytes, handed to
+    every reader. Answered once durable; a key already committed in
+    ``namespace`` keeps the first slot (its entry False) and this one is reset.
+    """
+
+    holder: Holder
+    namespace: Namespace
+    slots: Slots
+    generations: Generations
+    keys: OffloadKeys
+    digests: Digests
+
+
+class OffloadLease(_Request, frozen=True, tag="offload_lease"):
+    """Look ``keys`` up in ``namespace`` and lease each hit to ``holder`` until unleased."""
+
+    holder: Holder
+    namespace: Namespace
+    keys: OffloadKeys
+
+
+class OffloadUnlease(_Request, frozen=True, tag="offload_unlease"):
+    """End ``holder``'s leases of ``slots`` (at ``generations``)."""
+
+    holder: Holder
+    slots: Slots
+    generations: Generations
+
+
+OffloadRequest = OffloadAttach | OffloadGrant | OffloadStore | OffloadLease | OffloadUnlease
+
+
 # What a Batch may carry: the calls about one request each, which an engine
 # step produces many of. Hello, RegisterEngine and Status stay single.
 BatchOp = RegisterRequest | KvReady | Release | Abort | Hold
@@ -210,6 +298,11 @@ Request = (
     | KvMismatch
     | QuarantineList
     | QuarantineClear
+    | OffloadAttach
+    | OffloadGrant
+    | OffloadStore
+    | OffloadLease
+    | OffloadUnlease
 )
 
 
@@ -257,6 +350,39 @@ class QuarantineReply(_Reply, frozen=True, tag="quarantine_reply"):
     cleared: tuple[str, ...] = ()
 
 
+class OffloadPool(_Reply, frozen=True, tag="offload_pool"):
+    """Reply to :class:`OffloadAttach`; its frame carries the pool's descriptor.
+
+    Slot ``s`` is ``slot_bytes`` bytes at offset ``header_bytes + s * slot_bytes``.
+    """
+
+    slots: int
+    slot_bytes: int
+    header_bytes: int
+    pool_id: str
+
+
+class OffloadGranted(_Reply, frozen=True, tag="offload_granted"):
+    """The granted slots and their generations, in parallel (possibly none)."""
+
+    slots: tuple[int, ...]
+    generations: tuple[int, ...]
+
+
+class OffloadStored(_Reply, frozen=True, tag="offload_stored"):
+    """Per stored slot: True committed, False a duplicate key (the first kept)."""
+
+    committed: tuple[bool, ...]
+
+
+class OffloadLeased(_Reply, frozen=True, tag="offload_leased"):
+    """Per key: its slot (-1: a miss), generation and digest (empty on a miss)."""
+
+    slots: tuple[int, ...]
+    generations: tuple[int, ...]
+    digests: tuple[bytes, ...]
+
+
 class Error(_Reply, frozen=True, tag="error"):
     """A refusal or a malformed request; ``code`` is stable, ``message`` is for people.
 
@@ -278,6 +404,8 @@ SHUTTING_DOWN: Final = "shutting_down"
 # The connecting process's uid and groups are not allowed (allowed_uids,
 # allowed_groups): sent with id 0 before the daemon closes the connection.
 NOT_ALLOWED: Final = "not_allowed"
+# An offload call to a daemon whose [offload] tier is off (offload.slots = 0).
+NO_OFFLOAD_TIER: Final = "no_offload_tier"
 
 
 # ----------------------------------------------------------------- events
@@ -321,7 +449,18 @@ class BatchReply(_Reply, frozen=True, tag="batch_reply"):
 
 
 Reply = (
-    Ok | HelloOk | RequestAccepted | Deferred | StatusReply | Error | BatchReply | QuarantineReply
+    Ok
+    | HelloOk
+    | RequestAccepted
+    | Deferred
+    | StatusReply
+    | Error
+    | BatchReply
+    | QuarantineReply
+    | OffloadPool
+    | OffloadGranted
+    | OffloadStored
+    | OffloadLeased
 )
 Event = KvArrived | BlocksFreeable | RequestFailed | Released
 

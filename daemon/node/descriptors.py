@@ -1,4 +1,5 @@
-"""Descriptors an engine passes with its first bytes (SCM_RIGHTS), and the stream after them.
+"""Descriptors an engine passes with its first bytes (SCM_RIGHTS), and the stream after them;
+and the one reply that passes a descriptor the other way (:class:`Passing`).
 
 An engine that shares its KV memory as a memfd attaches the descriptors to
 the first bytes it sends on a connection (its Hello). A stream transport
@@ -19,7 +20,8 @@ import asyncio
 import contextlib
 import os
 import socket
-from typing import Final
+from dataclasses import dataclass
+from typing import Any, Final
 
 # More than any engine needs (its KV cache, a staging mirror, an offload
 # pool): a connection that passes more is cut short, all of them closed.
@@ -41,6 +43,33 @@ class Carried:
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+@dataclass(frozen=True, slots=True)
+class Passing:
+    """A reply whose frame carries ``fds`` (SCM_RIGHTS) to the client: the offload pool's.
+
+    A handler returns it instead of the reply; the engine server sends the
+    frame with :func:`send_with_fds` once everything sent before it left.
+    The descriptors stay the sender's (the kernel passes duplicates).
+    """
+
+    reply: Any
+    fds: tuple[int, ...]
+
+
+def send_with_fds(sock: socket.socket, frame: bytes, fds: tuple[int, ...]) -> int | None:
+    """Send ``frame`` with ``fds`` attached to its first byte; bytes sent, None if none could be.
+
+    One non-blocking ``sendmsg``: the caller sends what is left of a frame
+    sent in part through its stream (the descriptors went with the first
+    byte), and tries again later when the socket's buffer was full.
+    """
+    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+    try:
+        return sock.sendmsg([frame], rights)
+    except (BlockingIOError, InterruptedError):
+        return None
 
 
 async def accept_stream(

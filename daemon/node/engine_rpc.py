@@ -25,6 +25,7 @@ from daemon.node.engines import Engines
 from daemon.node.integrity import Integrity
 from daemon.node.ledger import Commit, Ledger
 from daemon.node.lifecycle import Lifecycle
+from daemon.node.offload import OffloadTier
 from daemon.node.peerport import PeerPort
 from daemon.node.peers import Peers
 from daemon.node.tasks import Spawn
@@ -79,6 +80,7 @@ class EngineRpc:
         integrity: Integrity,
         spawn: Spawn,
         life: Lifecycle,
+        offload: OffloadTier | None = None,
     ) -> None:
         self._limits = limits
         self._on_demand = on_demand_peers
@@ -90,6 +92,7 @@ class EngineRpc:
         self._integrity = integrity
         self._spawn = spawn
         self._life = life  # failed: the journal failed, nothing more is journaled
+        self._offload = offload  # the offload tier's calls (daemon/node/offload.py)
 
     def handlers(self) -> dict[type, Handler]:
         """The engine server's table: each request type and the call that serves it."""
@@ -103,6 +106,7 @@ class EngineRpc:
             rpc.KvMismatch: self.kv_mismatch,
             rpc.QuarantineList: self.quarantine_list,
             rpc.QuarantineClear: self.quarantine_clear,
+            **(self._offload.handlers() if self._offload is not None else {}),
         }
 
     async def register_engine(self, session: EngineSession, req: rpc.RegisterEngine) -> rpc.Reply:

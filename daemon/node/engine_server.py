@@ -24,8 +24,14 @@ import structlog
 
 from daemon import failpoints
 from daemon.dataplane.memory import RegionError
-from daemon.framing import EmptyFrame, FrameReader, FrameTooLarge, FrameWriter
-from daemon.node.descriptors import MAX_DESCRIPTORS, Carried, accept_stream
+from daemon.framing import EmptyFrame, FrameEncoder, FrameReader, FrameTooLarge, FrameWriter
+from daemon.node.descriptors import (
+    MAX_DESCRIPTORS,
+    Carried,
+    Passing,
+    accept_stream,
+    send_with_fds,
+)
 from daemon.node.lifecycle import Lifecycle
 from daemon.node.serializer import KeyedSerializer
 from daemon.node.socketclaim import SocketClaim
@@ -84,8 +90,11 @@ class Session:
         uid: int,
         gid: int,
         carried: Carried | None = None,
+        sock: socket.socket | None = None,
     ) -> None:
         self.writer = writer
+        # The connection's socket, for the one reply that passes a descriptor.
+        self.sock = sock
         self.pid, self.uid, self.gid = pid, uid, gid
         # Descriptors the connection's first bytes carried (its Hello's).
         self.carried = carried or Carried((), False)
@@ -125,6 +134,35 @@ class Session:
         with contextlib.suppress(Exception):
             self.frames.flush()
 
+    async def send_passing(self, message: Any, fds: tuple[int, ...]) -> None:
+        """``message`` with ``fds`` attached to its frame's first byte (SCM_RIGHTS).
+
+        Everything sent before it leaves first: the frame goes straight to
+        the socket only once the transport holds nothing unsent, with no
+        await between that check and the send, so no other frame can come
+        between; what a full socket buffer did not take goes on through the
+        transport, in order. A client that reads nothing for
+        ``PASS_TIMEOUT_S`` loses the connection.
+        """
+        failpoints.hit("engine.reply")
+        frame = bytes(FrameEncoder().encode(message))
+        transport = self.writer.transport
+        deadline = asyncio.get_running_loop().time() + PASS_TIMEOUT_S
+        while not (self.closed or self.writer.is_closing() or self.sock is None):
+            if self._events:
+                self._send_events()
+            self.frames.flush()
+            if not transport.get_write_buffer_size():
+                sent = send_with_fds(self.sock, frame, fds)
+                if sent is not None:
+                    if sent < len(frame):
+                        self.writer.write(frame[sent:])
+                    return
+            if asyncio.get_running_loop().time() > deadline:
+                self.close()
+                return
+            await asyncio.sleep(0.001)
+
     @property
     def descriptors(self) -> tuple[int, ...]:
         return self.carried.fds
@@ -143,6 +181,8 @@ Handler = Callable[[Session, Any], Awaitable[rpc.Reply]]
 # What an op of a batch is answered with (schemas/rpc.py OpReply).
 _OP_REPLIES = (rpc.Ok, rpc.RequestAccepted, rpc.Deferred, rpc.Error)
 
+# How long a reply passing descriptors waits for the client to read its socket.
+PASS_TIMEOUT_S = 5.0
 # Requests one connection may have in flight before the server stops reading it.
 MAX_INFLIGHT_PER_CONNECTION = 1024
 # How long, and how much, a refused client may still send before it is cut off.
@@ -297,7 +337,7 @@ class EngineServer:
             return
         pid, uid, gid = peer_credentials(conn)
         groups = peer_groups(conn) if self.allowed_gids else ()
-        session = Session(writer, pid, uid, gid, carried)
+        session = Session(writer, pid, uid, gid, carried, conn)
         clog = log.bind(node=self.identity.node, peer_pid=pid, peer_uid=uid)
         try:
             if not self._allowed(uid, gid, groups):
@@ -366,14 +406,12 @@ class EngineServer:
 
         Each request waits for the durable journal before its reply, so one
         at a time per connection would cap an engine at one fsync per
-        request. Requests about one request id still run in arrival order,
-        and those about no request (hello, register_engine, status) are
-        barriers: they wait for everything before them, and everything after
-        waits for them.
+        request. Requests about one request id (or one offload holder) still
+        run in arrival order, and those about neither (hello,
+        register_engine, status) are barriers: they wait for everything
+        before them, and everything after waits for them.
         """
-        session.requests.submit(
-            self._reply(session, request, clog), getattr(request, "request_id", None)
-        )
+        session.requests.submit(self._reply(session, request, clog), _key(request))
 
     def _submit_batch(self, session: Session, batch: rpc.Batch, clog: Any) -> None:
         """One task admits every op in one pass, then answers them in one frame.
@@ -433,7 +471,9 @@ class EngineServer:
 
     async def _reply(self, session: Session, request: Any, clog: Any) -> None:
         reply = await self._answer(session, request, clog)
-        if reply is not None:
+        if type(reply) is Passing:
+            await session.send_passing(reply.reply, reply.fds)
+        elif reply is not None:
             session.send(reply)
 
     async def _answer(self, session: Session, request: Any, clog: Any) -> rpc.Reply | None:
@@ -499,6 +539,18 @@ class EngineServer:
 
     async def _status(self, session: Session, req: rpc.Status) -> rpc.Reply:
         return rpc.StatusReply(req.id, self.app.status())
+
+
+def _key(request: Any) -> Any:
+    """What a request is ordered by on its connection: its request id, an offload
+    call's holder (a holder's calls in order, other holders' beside them), or
+    None (a barrier)."""
+    request_id = getattr(request, "request_id", None)
+    if request_id is not None:
+        return request_id
+    if isinstance(request, rpc.OffloadRequest):
+        return ("offload", request.holder)
+    return None
 
 
 async def _close_refused(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -12,7 +12,8 @@ ledger needs its registry) and given only what they use: ``engines``
 (sessions, memory, offload pools), ``windows`` (per-peer memory windows),
 ``integrity`` (checksums), ``transfers`` (trim, NIXL write, arrival),
 ``peers`` (peer daemons, their messages, fences), ``deadlines``,
-``engine_rpc`` (what each engine call does), ``peerport`` (the one way to a
+``engine_rpc`` (what each engine call does), ``offload`` (the KV offload
+tier: its calls, holders and resets), ``peerport`` (the one way to a
 peer), ``tasks``, ``counters``, ``status`` and ``ledger`` (the one commit
 path). No part holds the node; where one must hear of another's commit it
 observes the ledger. This module holds no rule of the lifecycle.
@@ -30,6 +31,7 @@ from collections.abc import Callable
 import structlog
 
 from daemon.dataplane.plane import DataPlane
+from daemon.dataplane.pool import Pool
 from daemon.journal.format import JournalFatal
 from daemon.journal.groupcommit import GroupCommit
 from daemon.journal.replay import fold_contents
@@ -37,11 +39,12 @@ from daemon.journal.writer import Journal
 from daemon.node.counters import RefusalCounter, merged
 from daemon.node.deadlines import Deadlines
 from daemon.node.engine_rpc import EngineRpc
-from daemon.node.engine_state import EngineState
+from daemon.node.engine_state import EngineSession, EngineState
 from daemon.node.engines import Engines
 from daemon.node.integrity import Integrity
 from daemon.node.ledger import Carriers, Ledger
 from daemon.node.lifecycle import Lifecycle
+from daemon.node.offload import OffloadTier
 from daemon.node.peerlink import PeerManager
 from daemon.node.peerport import PeerPort
 from daemon.node.peers import Peers
@@ -73,6 +76,7 @@ class Node:
     peers: Peers
     deadlines: Deadlines
     calls: EngineRpc
+    offload: OffloadTier
 
     def __init__(self, config: Config, *, clock: Callable[[], float] = time.time) -> None:
         self.config = config
@@ -133,6 +137,10 @@ class Node:
             segment_bytes=cfg.journal.segment_mb * 1024 * 1024,
             format=cfg.journal.format,
         )
+        # The offload pool once the journal is ours (two daemons never share
+        # its file), before anything is journaled: a pool that cannot be
+        # made stops the start (daemon/service.py).
+        pool = self._open_pool()
         replayed = fold_contents(
             self.journal.take_recovered(),
             deadlines=cfg.deadlines,
@@ -154,7 +162,7 @@ class Node:
             debug=cfg.log_level == "debug",
             on_fatal=self._journal_failed,
         )
-        self._build_parts()
+        self._build_parts(pool)
         self.log.info(
             "journal replayed",
             records=replayed.records,
@@ -165,7 +173,17 @@ class Node:
         await self.dataplane.start()
         self.dataplane.set_notification_handler(self.transfers.on_notification)
 
-    def _build_parts(self) -> None:
+    def _open_pool(self) -> Pool | None:
+        offload = self.config.offload
+        if not offload.enabled:
+            return None
+        try:
+            return Pool.open(slots=offload.slots, slot_bytes=offload.slot_bytes, path=offload.path)
+        except BaseException:
+            self.journal.close()
+            raise
+
+    def _build_parts(self, pool: Pool | None = None) -> None:
         """Each part gets what it uses; the ledger tells the observers of every commit."""
         cfg, ledger, port, spawn = self.config, self.ledger, self.port, self.tasks.spawn
         engines: dict[str, EngineState] = {}
@@ -223,6 +241,9 @@ class Node:
             windows=self.windows,
             clock=self.clock,
         )
+        self.offload = OffloadTier(
+            cfg.offload, pool=pool, ledger=ledger, spawn=spawn, life=self.life
+        )
         self.calls = EngineRpc(
             limits=cfg.limits,
             on_demand_peers=cfg.on_demand_peers,
@@ -234,6 +255,7 @@ class Node:
             integrity=self.integrity,
             spawn=spawn,
             life=self.life,
+            offload=self.offload,
         )
         ledger.courier = Carriers(self.engines.tell_engine, port.tell)
         ledger.observers.extend(
@@ -260,7 +282,14 @@ class Node:
             if not any(r.engine_id == engine_id for r in self.registry.live.values()):
                 ledger.commit([self.registry.check_detach(engine_id)])
         await self.group.durable(self.journal.next_seq - 1)
+        # The offload pool as opened, and what the restart calls for in it.
+        await self.offload.begin()
         self.tasks.spawn(self.deadlines.run())
+
+    def disconnected(self, session: EngineSession) -> None:
+        """An engine connection ended: its engines, and the offload holders it named."""
+        self.engines.disconnected(session)
+        self.offload.disconnected(session)
 
     def attach_peers(self, manager: PeerManager) -> None:
         self.port.attach(manager)
@@ -296,6 +325,8 @@ class Node:
                     self.group.commit_now()
             self.group.close()
             await self.engines.close()
+        if hasattr(self, "offload"):
+            self.offload.close()
         await self.dataplane.close()
         if opened and self.fatal is None:
             with contextlib.suppress(JournalFatal):
@@ -334,6 +365,7 @@ class Node:
             dataplane=self.dataplane,
             writes_in_flight=len(self.writes),
             metrics_port=self.metrics_port,
+            offload=self.offload.status(),
         )
 
     async def load_metadata(self) -> None:
