@@ -181,6 +181,43 @@ class BlockingEngineClient:
             )
         )
 
+    def offload_grant(
+        self, holder: str, n: int, *, timeout: float | None = None
+    ) -> rpc.OffloadGranted:
+        return self._run(self.client.offload_grant(holder, n, timeout=timeout))
+
+    def offload_store(
+        self,
+        holder: str,
+        namespace: str,
+        slots: Sequence[int],
+        generations: Sequence[int],
+        keys: Sequence[bytes],
+        digests: Sequence[bytes],
+        *,
+        timeout: float | None = None,
+    ) -> tuple[bool, ...]:
+        return self._run(
+            self.client.offload_store(
+                holder, namespace, slots, generations, keys, digests, timeout=timeout
+            )
+        )
+
+    def offload_lease(
+        self, holder: str, namespace: str, keys: Sequence[bytes], *, timeout: float | None = None
+    ) -> rpc.OffloadLeased:
+        return self._run(self.client.offload_lease(holder, namespace, keys, timeout=timeout))
+
+    def offload_unlease(
+        self,
+        holder: str,
+        slots: Sequence[int],
+        generations: Sequence[int],
+        *,
+        timeout: float | None = None,
+    ) -> rpc.Ok:
+        return self._run(self.client.offload_unlease(holder, slots, generations, timeout=timeout))
+
     def status(self, *, timeout: float | None = None) -> dict[str, Any]:
         return self._run(self.client.status(timeout=timeout))
 

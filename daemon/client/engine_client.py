@@ -378,6 +378,67 @@ class EngineClient:
         )  # fmt: skip
         return await self._call(request, rpc.Ok, timeout)
 
+    # ------------------------------------------------------ the offload tier
+    # README.md, "Offload tier". ``holder`` names the tier client (one per
+    # engine, say): what it was granted and leased is given up when the last
+    # connection that named it closes. Map the pool with
+    # daemon.client.pool.attach_pool. A refusal raises RpcError with a stable
+    # code (schemas/reasons.py: slot_*, bad_offload; no_offload_tier).
+
+    async def offload_grant(
+        self, holder: str, n: int, *, timeout: float | None = None
+    ) -> rpc.OffloadGranted:
+        """Up to ``n`` zeroed slots to write (``slots``, ``generations``); fewer, even none,
+        when the pool is short."""
+        request = rpc.OffloadGrant(self._next_id(), holder=holder, n=n)
+        return await self._call(request, rpc.OffloadGranted, timeout)
+
+    async def offload_store(
+        self,
+        holder: str,
+        namespace: str,
+        slots: Sequence[int],
+        generations: Sequence[int],
+        keys: Sequence[bytes],
+        digests: Sequence[bytes],
+        *,
+        timeout: float | None = None,
+    ) -> tuple[bool, ...]:
+        """Publish written slots (parallel sequences); per slot True committed, False a
+        duplicate key (the first kept, this slot reset). Returns once durable."""
+        request = rpc.OffloadStore(
+            self._next_id(), holder=holder, namespace=namespace, slots=tuple(slots),
+            generations=tuple(generations), keys=tuple(keys), digests=tuple(digests),
+        )  # fmt: skip
+        return (await self._call(request, rpc.OffloadStored, timeout)).committed
+
+    async def offload_lease(
+        self, holder: str, namespace: str, keys: Sequence[bytes], *, timeout: float | None = None
+    ) -> rpc.OffloadLeased:
+        """Look ``keys`` up; each hit is leased to ``holder`` until unleased.
+
+        Parallel to ``keys``: ``slots`` (-1: a miss), ``generations``, ``digests``
+        (the writer's digest of the slot's bytes; empty on a miss).
+        """
+        request = rpc.OffloadLease(
+            self._next_id(), holder=holder, namespace=namespace, keys=tuple(keys)
+        )
+        return await self._call(request, rpc.OffloadLeased, timeout)
+
+    async def offload_unlease(
+        self,
+        holder: str,
+        slots: Sequence[int],
+        generations: Sequence[int],
+        *,
+        timeout: float | None = None,
+    ) -> rpc.Ok:
+        """End ``holder``'s leases of ``slots`` (as leased, with their generations)."""
+        request = rpc.OffloadUnlease(
+            self._next_id(), holder=holder, slots=tuple(slots), generations=tuple(generations)
+        )
+        return await self._call(request, rpc.Ok, timeout)
+
     async def status(self, *, timeout: float | None = None) -> dict[str, Any]:
         """The daemon's status document (:class:`schemas.status.StatusDocument`), as a dict."""
         reply = await self._call(rpc.Status(self._next_id()), rpc.StatusReply, timeout)
