@@ -102,6 +102,7 @@ class OffloadTier:
         self._holders: dict[EngineSession, set[str]] = {}
         self._ended: weakref.WeakSet[EngineSession] = weakref.WeakSet()
         self._wake = asyncio.Event()
+        self._unsynced = False  # leases appended that nobody asked a sync for
         self._round_slots = 1 if pool is None else max(1, _RESET_ROUND_BYTES // pool.slot_bytes)
         self._log = log
 
@@ -314,7 +315,7 @@ class OffloadTier:
             return _gone(req)
         leased, found = self._ledger.registry.slots.check_lease(req.holder, req.namespace, req.keys)
         if leased is not None:
-            self._ledger.commit([leased], Cause.ENGINE).tell_when_durable()
+            self._commit_lazily([leased])
         slots: list[int] = []
         generations: list[int] = []
         digests: list[bytes] = []
@@ -345,10 +346,19 @@ class OffloadTier:
             )
         items = list(zip(req.slots, req.generations, strict=True))
         event = self._ledger.registry.slots.check_unlease(req.holder, items)
-        self._ledger.commit([event], Cause.ENGINE).tell_when_durable()
+        self._commit_lazily([event])
         if self._ledger.registry.slots.free_count() < self.reserve:
             self._wake.set()  # unleased slots may be evicted now
         return rpc.Ok(req.id)
+
+    def _commit_lazily(self, events: list[Any]) -> None:
+        """Journal leases and unleases without asking for a sync: they ride the
+        next group commit someone waits for, or the reset task's next period
+        asks for one. A daemon that dies loses every lease anyway (its restart
+        drops them all), so none waits for an fdatasync, nor starts one: on
+        two cores a sync thread per lease doubled the round trip."""
+        self._ledger.commit(events, Cause.ENGINE)
+        self._unsynced = True
 
     # ------------------------------------------------------------ reset task
 
@@ -359,6 +369,10 @@ class OffloadTier:
                 async with asyncio.timeout(_RESET_PERIOD_S):
                     await self._wake.wait()
             self._wake.clear()
+            group = self._ledger.group
+            if self._unsynced and group is not None and not self._life.closing:
+                self._unsynced = False
+                group.request()  # leases journaled since the last period: on disk soon
             try:
                 while not self._life.closing and await self._reset_round():
                     pass
