@@ -90,6 +90,7 @@ ALLOWED_CODES: Final = frozenset(r.value for r in Reason) | {
     rpc.BAD_REGION,
     "bad_slot",
     "offload_exhausted",
+    rpc.NO_OFFLOAD_TIER,  # an offload call to a daemon whose [offload] tier is off
 }
 # Goodbye reasons a daemon may send a client that has not authenticated.
 PREAUTH_GOODBYES: Final = frozenset(
