@@ -201,7 +201,8 @@ MAX_SLOT: Final = (1 << 31) - 1
 MAX_GENERATION: Final = (1 << 63) - 1
 
 Holder = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_HOLDER)]
-Namespace = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAMESPACE)]
+# "" in a store or a lease: the namespace the holder's attach bound (OffloadAttach).
+Namespace = Annotated[str, msgspec.Meta(max_length=MAX_NAMESPACE)]
 Slot = Annotated[int, msgspec.Meta(ge=0, le=MAX_SLOT)]
 Generation = Annotated[int, msgspec.Meta(ge=0, le=MAX_GENERATION)]
 OffloadKey = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES)]
@@ -212,7 +213,7 @@ OffloadKeys = Annotated[tuple[OffloadKey, ...], msgspec.Meta(max_length=MAX_OFFL
 Digests = Annotated[tuple[Digest, ...], msgspec.Meta(max_length=MAX_OFFLOAD_BATCH)]
 
 
-class OffloadAttach(_Request, frozen=True, tag="offload_attach"):
+class OffloadAttach(_Request, frozen=True, tag="offload_attach", omit_defaults=True):
     """Map the node's offload pool: answered by :class:`OffloadPool`, its descriptor attached.
 
     The reply's first bytes carry the pool's descriptor (SCM_RIGHTS), so a
@@ -220,9 +221,16 @@ class OffloadAttach(_Request, frozen=True, tag="offload_attach"):
     a connection of its own). ``holder`` names the tier client; the daemon
     keeps what a holder was granted and leased while any connection that
     named it lives, and gives it all up (``abandon``) when the last closes.
+
+    ``namespace`` binds the holder to the namespace its chunks live in (an
+    engine's worker knows it: its weights digest is part of it); a store or
+    a lease of the holder that names the empty namespace means this one,
+    so an engine's scheduler, which cannot compute it, names only the
+    holder. A holder bound elsewhere by a connection that lives is refused.
     """
 
     holder: Holder
+    namespace: Namespace = ""
 
 
 class OffloadGrant(_Request, frozen=True, tag="offload_grant"):

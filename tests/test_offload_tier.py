@@ -227,6 +227,38 @@ def _scrape(daemon: Daemon) -> dict[tuple[str, tuple[tuple[str, str], ...]], flo
     }
 
 
+def test_an_attach_binds_its_holder_to_a_namespace_the_holders_other_calls_act_in(
+    shared: Daemon, client: BlockingEngineClient
+) -> None:
+    """A worker binds; the scheduler of that engine names only the holder ("")."""
+    holder = f"bound-{uuid.uuid4().hex[:6]}"
+    unbound = f"unbound-{uuid.uuid4().hex[:6]}"
+    keys = [key(f"bind-{uuid.uuid4().hex}-{i}") for i in range(2)]
+    # A holder nobody bound cannot name the empty namespace.
+    with pytest.raises(RpcError) as refused:
+        client.offload_lease(unbound, "", keys)
+    assert refused.value.code == "bad_offload"
+    with attach_pool(shared.socket, holder, namespace="ns-bound") as pool:
+        granted = wait_for("a grant", lambda: _granted(client, holder, 2))
+        digests = [fill(pool, s, k) for s, k in zip(granted.slots, keys, strict=True)]
+        # Stored in the bound namespace without naming it...
+        assert client.offload_store(holder, "", granted.slots, granted.generations, keys, digests)
+        # ...so another holder finds the keys there, and in no other.
+        assert -1 not in client.offload_lease("reader-b", "ns-bound", keys).slots
+        assert client.offload_lease("reader-c", NS, keys).slots == (-1, -1)
+        # The bound holder may not act in another namespace, nor be bound
+        # elsewhere while a connection of it lives.
+        with pytest.raises(RpcError) as other:
+            client.offload_lease(holder, NS, keys)
+        assert other.value.code == "bad_offload"
+        with pytest.raises(RpcError) as rebind:
+            attach_pool(shared.socket, holder, namespace="ns-elsewhere").close()
+        assert rebind.value.code == "bad_offload"
+        leased = client.offload_lease(holder, "", keys)
+        assert leased.slots == granted.slots
+        client.offload_unlease(holder, leased.slots, leased.generations)
+
+
 def test_a_duplicate_key_keeps_the_first_and_the_loser_is_reset(
     shared: Daemon, client: BlockingEngineClient
 ) -> None:

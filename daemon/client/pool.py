@@ -88,10 +88,13 @@ class AttachedPool:
         self.close()
 
 
-def attach_pool(socket_path: str, holder: str, timeout: float = 10.0) -> AttachedPool:
+def attach_pool(
+    socket_path: str, holder: str, timeout: float = 10.0, *, namespace: str = ""
+) -> AttachedPool:
     """Map the node's offload pool: one blocking connection, closed before this returns.
 
-    ``holder`` names this tier client (as its grants and leases do).
+    ``holder`` names this tier client (as its grants and leases do);
+    ``namespace``, if given, binds it (schemas/rpc.py ``OffloadAttach``).
     Raises :class:`RpcError` when the daemon refuses (``no_offload_tier``:
     its ``[offload]`` is off; ``not_allowed``: this process may not use it),
     :class:`DaemonUnreachable` when nobody listens, :class:`ConnectionLost`
@@ -113,7 +116,7 @@ def attach_pool(socket_path: str, holder: str, timeout: float = 10.0) -> Attache
             sock.sendall(encoder.encode(rpc.Hello(1, "offload-attach", rpc.PROTOCOL_VERSION)))
             hello = _reply(sock, decoder, fds, deadline)
             _expect(hello, rpc.HelloOk)
-            sock.sendall(encoder.encode(rpc.OffloadAttach(2, holder=holder)))
+            sock.sendall(encoder.encode(rpc.OffloadAttach(2, holder=holder, namespace=namespace)))
             reply = _expect(_reply(sock, decoder, fds, deadline), rpc.OffloadPool)
         except (OSError, TimeoutError) as exc:
             raise ConnectionLost(f"attaching the offload pool at {socket_path}: {exc}") from exc

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -61,6 +62,8 @@ _RESET_ROUND_BYTES: Final = 64 << 20
 _RESET_PERIOD_S: Final = 1.0
 # Holders one connection may name (a tier client names one or two).
 MAX_HOLDERS_PER_CONNECTION: Final = 64
+# Holders whose namespace binding is kept (the most recently attached).
+MAX_BOUND_HOLDERS: Final = 4096
 _WHY_NOT_ZERO: Final = "not_zero"
 
 
@@ -100,6 +103,9 @@ class OffloadTier:
         self.counters = OffloadCounters()
         self._sessions: dict[str, set[EngineSession]] = {}  # holder -> connections naming it
         self._holders: dict[EngineSession, set[str]] = {}
+        # holder -> the namespace its attach bound (kept past its connections:
+        # an attach's own connection closes at once; bounded, oldest first out).
+        self._namespaces: OrderedDict[str, str] = OrderedDict()
         self._ended: weakref.WeakSet[EngineSession] = weakref.WeakSet()
         self._wake = asyncio.Event()
         self._unsynced = False  # leases appended that nobody asked a sync for
@@ -206,6 +212,37 @@ class OffloadTier:
         self._log.info("offload holder gone: abandoned", holder=holder)
         self._wake.set()
 
+    def _bind(self, session: EngineSession, holder: str, namespace: str) -> None:
+        """``holder``'s chunks live in ``namespace`` from now on (its attach said so)."""
+        bound = self._namespaces.get(holder)
+        others = self._sessions.get(holder, set()) - {session}
+        if bound is not None and bound != namespace and others:
+            raise Refusal(
+                Reason.BAD_OFFLOAD,
+                f"holder {holder} is bound to namespace {bound} by a connection that lives",
+            )
+        self._namespaces[holder] = namespace
+        self._namespaces.move_to_end(holder)
+        while len(self._namespaces) > MAX_BOUND_HOLDERS:
+            self._namespaces.popitem(last=False)
+
+    def _namespace(self, holder: str, named: str) -> str:
+        """The namespace a call of ``holder`` acts in: the one it names, or its bound one."""
+        bound = self._namespaces.get(holder)
+        if not named:
+            if bound is None:
+                raise Refusal(
+                    Reason.BAD_OFFLOAD,
+                    f"holder {holder} names no namespace and none is bound: attach it with one",
+                )
+            return bound
+        if bound is not None and bound != named:
+            raise Refusal(
+                Reason.BAD_OFFLOAD,
+                f"holder {holder} is bound to namespace {bound}, not {named}",
+            )
+        return named
+
     # ------------------------------------------------------------------ calls
 
     async def _off(self, session: EngineSession, req: Any) -> rpc.Reply:
@@ -222,6 +259,8 @@ class OffloadTier:
             self._touch(session, req.holder)
         except _Gone:
             return _gone(req)
+        if req.namespace:
+            self._bind(session, req.holder, req.namespace)
         reply = rpc.OffloadPool(
             req.id, pool.slots, pool.slot_bytes, pool.header_bytes, pool.pool_id
         )
@@ -294,7 +333,8 @@ class OffloadTier:
                 f"{len(req.keys)} keys and {len(req.digests)} digests: they must be parallel",
             )
         items = list(zip(req.slots, req.generations, req.keys, req.digests, strict=True))
-        events = self._ledger.registry.slots.check_store(req.holder, req.namespace, items)
+        namespace = self._namespace(req.holder, req.namespace)
+        events = self._ledger.registry.slots.check_store(req.holder, namespace, items)
         committed = self._ledger.commit(events, Cause.ENGINE)
         losers: set[int] = set()
         for event in events:
@@ -313,7 +353,8 @@ class OffloadTier:
             self._touch(session, req.holder)
         except _Gone:
             return _gone(req)
-        leased, found = self._ledger.registry.slots.check_lease(req.holder, req.namespace, req.keys)
+        namespace = self._namespace(req.holder, req.namespace)
+        leased, found = self._ledger.registry.slots.check_lease(req.holder, namespace, req.keys)
         if leased is not None:
             self._commit_lazily([leased])
         slots: list[int] = []
