@@ -579,6 +579,8 @@ class SlotPool:
             raise _bad(f"{name} names {len(slots)} slots and {len(gens)} generations")
         if not slots:
             raise _bad(f"{name} names no slot")
+        if kind not in _REPEATABLE and len(set(slots)) != len(slots):
+            raise _bad(f"{name} names a slot twice")
         size, states, current = self.size, self._state, self._gen
         for slot, generation in zip(slots, gens, strict=True):
             if not 0 <= slot < size:
@@ -597,8 +599,6 @@ class SlotPool:
                     f"{name}: slot {slot} (generation {generation}) is {state.value}: "
                     f"{_SAYS[reason]}",
                 )
-        if kind not in _REPEATABLE and len(set(slots)) != len(slots):
-            raise _bad(f"{name} names a slot twice")
 
     def _move(self, slot: int, new: SlotState) -> None:
         counts = self._counts
