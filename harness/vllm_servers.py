@@ -405,6 +405,13 @@ class VllmServer:
             assert time.monotonic() < deadline, f"{self.name} still holds KV blocks"
             time.sleep(0.2)
 
+    def reset_prefix_cache(self, timeout_s: float = 30.0) -> None:
+        """Forget the engine's own cached blocks (vLLM's development endpoint:
+        the server needs ``VLLM_SERVER_DEV_MODE=1``); a connector's cache stays."""
+        req = urllib.request.Request(self.url + "/reset_prefix_cache", data=b"", method="POST")
+        with self.client(), urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            resp.read()
+
     def metrics(self, timeout_s: float = 10.0) -> Metrics:
         url = self.url + "/metrics"
         with self.client(), urllib.request.urlopen(url, timeout=timeout_s) as resp:
@@ -488,6 +495,27 @@ def kvpushd_connector_config(
                 **(extra_config or {}),
             },
             **more,
+        }
+    )
+
+
+def kvpushd_tier_config(daemon: Any, extra_config: dict[str, Any] | None = None) -> str:
+    """``--kv-transfer-config`` for a plain server on the node's offload tier of ``daemon``.
+
+    One offloaded chunk per vLLM block (``block_size`` 32, the servers'),
+    and a load that fails its digest recomputed.
+    """
+    return json.dumps(
+        {
+            "kv_connector": "KvpushdOffloadingConnector",
+            "kv_connector_module_path": "daemon.client.vllm.tier",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "socket": daemon.socket,
+                "block_size": 32,
+                **(extra_config or {}),
+            },
         }
     )
 

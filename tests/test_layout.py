@@ -32,9 +32,11 @@ PACKAGE = ("daemon", "schemas", "statemachine")
 # The package vLLM loads as KvpushdConnector: the only modules that import vllm.
 CONNECTOR = ("daemon.client.vllm",)
 # Its pure parts: the rank and slice map, a load's end, the router
-# parameters, the specs, the config reading. Unit-tested without vLLM.
+# parameters, the specs, the config reading, the offload tier's slot
+# geometry and namespace. Unit-tested without vLLM.
 CONNECTOR_PURE = tuple(
-    f"daemon.client.vllm.{part}" for part in ("shares", "loads", "params", "specs", "layout")
+    f"daemon.client.vllm.{part}"
+    for part in ("shares", "loads", "params", "specs", "layout", "tier.geometry")
 )
 # The most lines a module of the connector may have: each owns one thing.
 CONNECTOR_MODULE_LINES = 500
@@ -95,13 +97,14 @@ RULES = (
     Rule(
         "vllm-connector",
         "daemon/client/vllm/ (loaded inside vLLM) imports what the client may, plus vllm,"
-        " torch, the pure core (the fingerprint rule, the rank map) and the failpoints (the"
-        " negative control's planted mis-mapping): never the runtime, the data plane or nixl",
+        " torch, the pure core (the fingerprint rule, the rank map), the failpoints (the"
+        " negative control's planted mis-mapping), numpy and crc32c (the offload tier's"
+        " copies and digests): never the runtime, the data plane or nixl",
         lambda m: is_under(m, CONNECTOR),
         lambda n: (
             _client_may_use(n)
             or n == "daemon.failpoints"
-            or is_under(n, ("vllm", "torch", "statemachine"))
+            or is_under(n, ("vllm", "torch", "statemachine", "numpy", "crc32c"))
         ),
     ),
     Rule(
