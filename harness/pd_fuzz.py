@@ -61,6 +61,7 @@ from harness.vllm_servers import (
     kvpushd_connector_config,
     start_servers,
     stop_servers,
+    with_tier,
 )
 
 # The pair's deadlines are short so that a fault's wait costs seconds:
@@ -75,6 +76,9 @@ TIMEOUT_S = 120.0
 # vLLM's development endpoints: /reset_prefix_cache forgets the cached blocks
 # a wrong write may have poisoned, so a failure's shrinking starts clean.
 DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}
+# The tier shape's pool on each node (a memfd: a daemon killed loses it):
+# 256 chunks of one 32-token block of the tiny llama.
+TIER_POOL = "\n[offload]\nslots = 256\nslot_bytes = 65536\n"
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,7 @@ class Shape:
     hybrid: bool = False  # the tiny model with a sliding-window layer
     small_pool: bool = False  # the decode's KV pool holds a few prompts only
     mamba: bool = False  # a tiny Nemotron-H: Mamba state beside attention
+    tier: bool = False  # both legs also on their node's offload tier (MultiConnector)
 
     @property
     def server_args(self) -> tuple[str, ...]:
@@ -105,6 +110,7 @@ SHAPES: dict[str, Shape] = {
         Shape("hybrid", hybrid=True),
         Shape("tp2-1", prefill_tp=2),
         Shape("mamba", mamba=True),
+        Shape("tier", tier=True),
     )
 }
 
@@ -123,30 +129,27 @@ class Pair:
     killed: set[str] = field(default_factory=set)  # nodes SIGKILLed at least once
 
     def start(self) -> Pair:
-        deadlines = _deadlines()
+        extra = _deadlines() + (TIER_POOL if self.shape.tier else "")
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.prefill = Daemon("prefill", self.workdir, free_port(), extra=deadlines).start()
-        self.decode = Daemon("decode", self.workdir, free_port(), extra=deadlines).start()
+        self.prefill = Daemon("prefill", self.workdir, free_port(), extra=extra).start()
+        self.decode = Daemon("decode", self.workdir, free_port(), extra=extra).start()
         cores = sorted(os.sched_getaffinity(0))
         buffer = {"kv_buffer": "host"} if self.shape.staging else None
+        prefill_config = kvpushd_connector_config("kv_producer", self.prefill, buffer)
+        decode_config = kvpushd_connector_config(
+            "kv_consumer", self.decode, buffer, kv_load_failure_policy="recompute"
+        )
+        if self.shape.tier:
+            prefill_config = with_tier(prefill_config, self.prefill)
+            decode_config = with_tier(decode_config, self.decode)
         self.p = VllmServer(
             "P", self.model, self.workdir, core=cores[0], tp=self.shape.prefill_tp, env=DEV_MODE,
-            extra_args=[
-                "--kv-transfer-config",
-                kvpushd_connector_config("kv_producer", self.prefill, buffer),
-                *self.shape.server_args,
-            ],
+            extra_args=["--kv-transfer-config", prefill_config, *self.shape.server_args],
         )  # fmt: skip
         self.d = VllmServer(
             "D", self.model, self.workdir, core=cores[-1], tp=self.shape.decode_tp,
             kv_cache_bytes=SMALL_POOL_BYTES if self.shape.small_pool else 128 << 20, env=DEV_MODE,
-            extra_args=[
-                "--kv-transfer-config",
-                kvpushd_connector_config(
-                    "kv_consumer", self.decode, buffer, kv_load_failure_policy="recompute"
-                ),
-                *self.shape.server_args,
-            ],
+            extra_args=["--kv-transfer-config", decode_config, *self.shape.server_args],
         )  # fmt: skip
         try:
             start_servers([self.p, self.d])

@@ -520,6 +520,22 @@ def kvpushd_tier_config(daemon: Any, extra_config: dict[str, Any] | None = None)
     )
 
 
+def with_tier(kvpushd_config: str, daemon: Any) -> str:
+    """``kvpushd_config`` (a KvpushdConnector's) beside the node's offload tier of ``daemon``:
+    vLLM's MultiConnector over both, the push connector first (it loads a P/D
+    request's KV; the tier loads what it holds of any other)."""
+    push = json.loads(kvpushd_config)
+    tier = json.loads(kvpushd_tier_config(daemon))
+    return json.dumps(
+        {
+            "kv_connector": "MultiConnector",
+            "kv_role": push["kv_role"],
+            **{k: v for k, v in push.items() if k == "kv_load_failure_policy"},
+            "kv_connector_extra_config": {"connectors": [push, tier]},
+        }
+    )
+
+
 # ------------------------------------------------------------ several servers
 
 
