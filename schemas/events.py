@@ -319,9 +319,28 @@ class SlotsEvicted(_Event, frozen=True, tag="slots_evicted"):
     """Committed slots without a lease taken out of the index; each waits for its reset.
 
     ``why``: ``lru``, ``pool_lost`` (the pool's memory did not survive a
-    restart), ``reset_cache`` (an engine's cache reset), ``operator``.
+    restart), ``reset_cache`` (an engine's cache reset), ``operator``,
+    ``condemned`` (a reader condemned it, :class:`SlotsCondemned`, and its
+    last lease went).
     """
 
+    slots: tuple[int, ...]
+    generations: tuple[int, ...]
+    why: str
+
+
+class SlotsCondemned(_Event, frozen=True, tag="slots_condemned"):
+    """A reader, ``holder``, says committed (or leased) slots are bad: never handed out again.
+
+    Each slot leaves the content index at once (no lookup finds it; its key
+    may be committed again, in another slot) and is marked condemned until
+    its reset; it keeps its leases, and is evicted (``condemned``) once no
+    lease holds it. ``why``: ``bad_digest`` (the bytes the reader loaded
+    differ from the committed digest: a write after the commit, a reset
+    skipped, damage).
+    """
+
+    holder: str
     slots: tuple[int, ...]
     generations: tuple[int, ...]
     why: str
@@ -377,6 +396,7 @@ Event = (
     | SlotsLeased
     | SlotsUnleased
     | SlotsEvicted
+    | SlotsCondemned
     | SlotsReset
 )
 
@@ -388,6 +408,7 @@ SlotEvent = (
     | SlotsLeased
     | SlotsUnleased
     | SlotsEvicted
+    | SlotsCondemned
     | SlotsReset
 )
 

@@ -144,7 +144,10 @@ class SlotRecord(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tru
 
     ``holder`` is its writer, from its grant to its reset; ``namespace``,
     ``key`` and ``digest`` what it stored, kept until its reset (in the
-    index only while committed or leased); ``leases`` each reader's count.
+    index only while committed or leased, and not condemned); ``leases``
+    each reader's count; ``condemned``: a reader condemned it
+    (``SlotsCondemned``), from then until its reset (last, so that a
+    record written before it existed decodes as not condemned).
     """
 
     slot: int
@@ -155,15 +158,17 @@ class SlotRecord(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tru
     key: bytes = b""
     digest: bytes = b""
     leases: tuple[tuple[str, int], ...] = ()
+    condemned: bool = False
 
 
 class SlotPoolSnapshot(msgspec.Struct, frozen=True, omit_defaults=True):
     """The offload pool as data (statemachine/slots.py ``SlotPool.snapshot``).
 
     ``records`` lists every slot that is not free at generation 0, by
-    number; ``recency`` the committed and leased slots, least recently used
-    first; ``evicted`` the evicted ones in the order they were evicted (the
-    order they are reset in); ``retired_generation`` the highest
+    number; ``recency`` the committed and leased slots (condemned ones
+    too), least recently used first; ``evicted`` the evicted ones in the
+    order they were evicted (the order they are reset in);
+    ``retired_generation`` the highest
     generation of a slot a smaller pool dropped (a slot that comes back
     starts above it).
     """

@@ -48,6 +48,7 @@ from schemas.events import (
     Registered,
     RequestEvent,
     SlotsCommitted,
+    SlotsCondemned,
     SlotsDiscarded,
     SlotsEvicted,
     SlotsGranted,
@@ -1008,5 +1009,6 @@ _HANDLERS: dict[type, Callable[[Registry, Any, float], RequestRecord | None]] = 
     SlotsLeased: Registry._apply_slots,
     SlotsUnleased: Registry._apply_slots,
     SlotsEvicted: Registry._apply_slots,
+    SlotsCondemned: Registry._apply_slots,
     SlotsReset: Registry._apply_slots,
 }

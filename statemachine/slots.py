@@ -25,6 +25,16 @@ only its reset bumps: a word about an older use is refused
 (``slot_not_reset``), the seed's failure (an offload buffer of one request
 read by the next) refused by the table rather than avoided by care.
 
+A reader that finds a committed slot's bytes differ from its digest
+condemns it (``SlotsCondemned``, allowed in ``committed`` and ``leased``,
+leading back to the same state): the slot leaves the content index at once
+(no lookup hands it out again, and its key may be committed anew, in
+another slot), keeps its leases and its place in the eviction order, and is
+marked condemned until its reset. :meth:`SlotPool.check_evict_condemned`
+evicts (``condemned``) every condemned slot no lease holds; LRU eviction
+takes them before any other. Without it a reader would find the same bad
+slot on every lookup and recompute forever.
+
 Sans-IO like :class:`statemachine.registry.Registry`: the shell asks a
 ``check_*`` method (or :meth:`SlotPool.abandon`, :meth:`SlotPool.on_restart`),
 which raises :class:`Refusal` and changes nothing, or returns the events to
@@ -60,6 +70,7 @@ from schemas.events import (
     PoolOpened,
     Record,
     SlotsCommitted,
+    SlotsCondemned,
     SlotsDiscarded,
     SlotsEvicted,
     SlotsGranted,
@@ -73,6 +84,7 @@ from schemas.state import SlotPoolSnapshot, SlotRecord, SlotState
 from statemachine.errors import Refusal
 
 __all__ = [
+    "CONDEMN_WHYS",
     "DISCARD_WHYS",
     "EVICT_WHYS",
     "MAX_BATCH",
@@ -97,10 +109,12 @@ NOT_COMMITTED, IS_EVICTED = Reason.SLOT_NOT_COMMITTED, Reason.SLOT_EVICTED
 NOT_RESET, NOT_LEASED, IS_LEASED = Reason.SLOT_NOT_RESET, Reason.SLOT_NOT_LEASED, Reason.SLOT_LEASED
 ILLEGAL = Reason.ILLEGAL_TRANSITION
 
-# Why a granted or stored slot is given up (SlotsDiscarded.why), and why a
-# committed one is evicted (SlotsEvicted.why).
+# Why a granted or stored slot is given up (SlotsDiscarded.why), why a
+# committed one is evicted (SlotsEvicted.why), and why a reader condemns one
+# (SlotsCondemned.why).
 DISCARD_WHYS: Final = ("duplicate_key", "abandoned", "restart", "not_zero")
-EVICT_WHYS: Final = ("lru", "pool_lost", "reset_cache", "operator")
+EVICT_WHYS: Final = ("lru", "pool_lost", "reset_cache", "operator", "condemned")
+CONDEMN_WHYS: Final = ("bad_digest",)
 
 
 def _frozen(table: dict[Any, dict[type, Any]]) -> Mapping[Any, Mapping[type, Any]]:
@@ -116,9 +130,11 @@ SLOT_TRANSITIONS: Final[Mapping[SlotState, Mapping[type, SlotState]]] = _frozen(
     STORED:    {SlotsCommitted: COMMITTED,
                 SlotsDiscarded: EVICTED},
     COMMITTED: {SlotsLeased:    LEASED,
-                SlotsEvicted:   EVICTED},
+                SlotsEvicted:   EVICTED,
+                SlotsCondemned: COMMITTED},  # out of the index, evicted next
     LEASED:    {SlotsLeased:    LEASED,
-                SlotsUnleased:  LEASED},     # COMMITTED when the last lease goes
+                SlotsUnleased:  LEASED,      # COMMITTED when the last lease goes
+                SlotsCondemned: LEASED},     # out of the index, leases kept
     EVICTED:   {SlotsReset:     FREE},
 })
 
@@ -139,6 +155,8 @@ _REFUSED: Final[dict[type, dict[tuple[SlotState, ...], Reason]]] = {
     SlotsUnleased:  {(FREE, GRANTED, STORED, COMMITTED, EVICTED): NOT_LEASED},
     SlotsEvicted:   {(FREE, GRANTED, STORED):             NOT_COMMITTED,
                      (LEASED,):                           IS_LEASED,
+                     (EVICTED,):                          IS_EVICTED},
+    SlotsCondemned: {(FREE, GRANTED, STORED):             NOT_COMMITTED,
                      (EVICTED,):                          IS_EVICTED},
     SlotsReset:     {(FREE, GRANTED, STORED):             ILLEGAL,      # in use, or reset
                      (COMMITTED,):                        IS_COMMITTED,
@@ -167,6 +185,7 @@ SLOT_EVENTS: Final = (
     SlotsLeased,
     SlotsUnleased,
     SlotsEvicted,
+    SlotsCondemned,
     SlotsReset,
 )
 
@@ -241,8 +260,11 @@ class SlotPool:
         self._holder: dict[int, str] = {}
         self._content: dict[int, tuple[str, bytes, bytes]] = {}
         self._leases: dict[int, dict[str, int]] = {}
-        # The content index: (namespace, key) -> committed or leased slot.
+        # The content index: (namespace, key) -> committed or leased slot,
+        # not condemned.
         self._index: dict[tuple[str, bytes], int] = {}
+        # Slots a reader condemned (out of the index), until their reset.
+        self._condemned: set[int] = set()
         # Committed and leased slots, least recently committed or leased first.
         self._recency: dict[int, None] = {}
         # Evicted slots waiting for their reset, in the order they were evicted.
@@ -289,8 +311,16 @@ class SlotPool:
         return None if content is None else content[:2]
 
     def where(self, namespace: str, key: bytes) -> int | None:
-        """The committed (or leased) slot holding ``key`` in ``namespace``."""
+        """The committed (or leased) slot holding ``key`` in ``namespace``, not condemned."""
         return self._index.get((namespace, key))
+
+    def is_condemned(self, slot: int) -> bool:
+        """Whether a reader condemned the slot (from then until its reset)."""
+        return self._slot(slot) in self._condemned
+
+    def condemned(self) -> list[int]:
+        """The condemned slots, by number."""
+        return sorted(self._condemned)
 
     def free_count(self) -> int:
         return len(self._free)
@@ -426,18 +456,52 @@ class SlotPool:
         """The ``n`` least recently used committed slots without a lease; None if there is none.
 
         Recency: a slot is used when it is committed and when it is leased.
+        Condemned slots without a lease go first (lowest numbers first): nobody
+        can read them.
         """
         self._check_why(why, EVICT_WHYS)
         if n < 1:
             raise _bad(f"evict: {n} slots asked for")
-        state = self._state
-        chosen: list[int] = []
-        for slot in self._recency:
-            if state[slot] is COMMITTED:
-                chosen.append(slot)
-                if len(chosen) == n:
-                    break
+        state, condemned = self._state, self._condemned
+        chosen = self._unleased_condemned()[:n]
+        if len(chosen) < n:
+            for slot in self._recency:
+                if state[slot] is COMMITTED and slot not in condemned:
+                    chosen.append(slot)
+                    if len(chosen) == n:
+                        break
         return self._evict(chosen, why)
+
+    def check_evict_condemned(self) -> SlotsEvicted | None:
+        """Every condemned slot no lease holds any more (``condemned``); None if there is none."""
+        return self._evict(self._unleased_condemned(), "condemned")
+
+    def _unleased_condemned(self) -> list[int]:
+        state = self._state
+        return sorted(s for s in self._condemned if state[s] is COMMITTED)
+
+    def check_condemn(
+        self, holder: str, items: Sequence[tuple[int, int]], why: str = "bad_digest"
+    ) -> SlotsCondemned | None:
+        """``holder`` says slots are bad, items (slot, generation): out of the index for good.
+
+        Every item is checked (the bounds; each slot committed or leased, at
+        its generation; an item twice counts once); the slots not condemned
+        yet are condemned by the event. None when all of them are already:
+        a reader may say it again.
+        """
+        _check_holder(holder, "condemn")
+        self._check_why(why, CONDEMN_WHYS)
+        if not items:
+            raise _bad("condemn: no slot named")
+        _check_count(len(items), "condemn")
+        pairs = list(dict.fromkeys((item[0], item[1]) for item in items))
+        event = SlotsCondemned(holder, tuple(p[0] for p in pairs), tuple(p[1] for p in pairs), why)
+        self._walk(event)
+        fresh = [p for p in pairs if p[0] not in self._condemned]
+        if not fresh:
+            return None
+        return SlotsCondemned(holder, tuple(p[0] for p in fresh), tuple(p[1] for p in fresh), why)
 
     def check_evict_all(self, why: str) -> SlotsEvicted | None:
         """Every committed slot without a lease (vLLM's cache reset, an operator); None: none."""
@@ -718,14 +782,29 @@ class SlotPool:
                 del leases[slot]
                 self._move(slot, COMMITTED)
 
+    def _unindex(self, slot: int) -> None:
+        """Take ``slot``'s key out of the index, if the index still maps it to this slot
+        (a condemned slot's key may be committed again in another one)."""
+        ident = self._content[slot][:2]
+        if self._index.get(ident) == slot:
+            del self._index[ident]
+
     def _apply_evicted(self, event: SlotsEvicted) -> None:
         self._walk(event)
-        index, content, recency, evicted = self._index, self._content, self._recency, self._evicted
+        recency, evicted = self._recency, self._evicted
         for slot in event.slots:
             self._move(slot, EVICTED)
-            del index[content[slot][:2]]
+            self._unindex(slot)
             del recency[slot]
             evicted[slot] = None
+
+    def _apply_condemned(self, event: SlotsCondemned) -> None:
+        _check_holder(event.holder, "SlotsCondemned")
+        self._walk(event)
+        condemned = self._condemned
+        for slot in event.slots:
+            self._unindex(slot)
+            condemned.add(slot)
 
     def _apply_reset(self, event: SlotsReset) -> None:
         self._walk(event)
@@ -736,6 +815,7 @@ class SlotPool:
             holder.pop(slot, None)
             content.pop(slot, None)
             del evicted[slot]
+            self._condemned.discard(slot)
             self._free.add(slot)
             heapq.heappush(self._heap, slot)
 
@@ -760,6 +840,7 @@ class SlotPool:
                 self._evicted.pop(slot, None)
                 self._holder.pop(slot, None)
                 self._content.pop(slot, None)
+                self._condemned.discard(slot)
             del states[size:]
             del gen[size:]
         else:
@@ -775,12 +856,13 @@ class SlotPool:
     # -------------------------------------------------------------- snapshots
 
     def snapshot(self) -> SlotPoolSnapshot:
-        states, gen, holder, content, leases = (
+        states, gen, holder, content, leases, condemned = (
             self._state,
             self._gen,
             self._holder,
             self._content,
             self._leases,
+            self._condemned,
         )
         records = []
         for slot in range(self.size):
@@ -791,7 +873,17 @@ class SlotPool:
             readers = tuple(sorted(leases.get(slot, {}).items()))
             holder_of = holder.get(slot, "")
             records.append(
-                SlotRecord(slot, state, generation, holder_of, namespace, key, digest, readers)
+                SlotRecord(
+                    slot,
+                    state,
+                    generation,
+                    holder_of,
+                    namespace,
+                    key,
+                    digest,
+                    readers,
+                    slot in condemned,
+                )
             )
         return SlotPoolSnapshot(
             self.size,
@@ -807,7 +899,7 @@ class SlotPool:
     def from_snapshot(cls, snap: SlotPoolSnapshot) -> SlotPool:
         pool = cls(snap.size, snap.slot_bytes, snap.pool_id)
         pool._retired = snap.retired_generation
-        states, gen = pool._state, pool._gen
+        states, gen, index = pool._state, pool._gen, pool._index
         for record in snap.records:
             slot, state = pool._slot(record.slot), record.state
             pool._move(slot, state)
@@ -818,13 +910,21 @@ class SlotPool:
                 pool._content[slot] = (record.namespace, record.key, record.digest)
             if state is LEASED:
                 pool._leases[slot] = dict(record.leases)
-            if state in (COMMITTED, LEASED):
-                pool._index[(record.namespace, record.key)] = slot
+            if record.condemned:
+                if state not in (COMMITTED, LEASED, EVICTED):
+                    raise _bad(f"snapshot: slot {slot} is {state.value} and condemned")
+                pool._condemned.add(slot)
+            elif state in (COMMITTED, LEASED):
+                ident = (record.namespace, record.key)
+                if ident in index:
+                    raise _bad(f"snapshot: slots {index[ident]} and {slot} hold one key")
+                index[ident] = slot
         pool._free = {s for s in range(snap.size) if states[s] is FREE}
         pool._heap = sorted(pool._free)
         pool._recency = dict.fromkeys(snap.recency)
         pool._evicted = dict.fromkeys(snap.evicted)
-        if set(pool._recency) != {s for s in pool._index.values()} or set(pool._evicted) != {
+        published = {s for s in range(snap.size) if states[s] in (COMMITTED, LEASED)}
+        if set(pool._recency) != published or set(pool._evicted) != {
             s for s in range(snap.size) if states[s] is EVICTED
         }:
             raise _bad("snapshot: the pool's recency or eviction order disagrees with its slots")
@@ -841,6 +941,7 @@ _APPLY: Final[Mapping[type, Callable[[SlotPool, Any], None]]] = MappingProxyType
         SlotsLeased: SlotPool._apply_leased,
         SlotsUnleased: SlotPool._apply_unleased,
         SlotsEvicted: SlotPool._apply_evicted,
+        SlotsCondemned: SlotPool._apply_condemned,
         SlotsReset: SlotPool._apply_reset,
     }
 )

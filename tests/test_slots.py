@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from daemon.cli import main
@@ -25,6 +26,7 @@ from schemas.events import (
     PoolOpened,
     Record,
     SlotsCommitted,
+    SlotsCondemned,
     SlotsDiscarded,
     SlotsEvicted,
     SlotsGranted,
@@ -35,7 +37,7 @@ from schemas.events import (
     encode_record,
 )
 from schemas.reasons import REFUSAL_REASONS, Reason
-from schemas.state import RegistrySnapshot
+from schemas.state import RegistrySnapshot, SlotRecord
 from statemachine import Refusal, Registry, fold
 from statemachine.slots import (
     MAX_BATCH,
@@ -62,8 +64,8 @@ DOCUMENTED = {
     FREE: {SlotsGranted: GRANTED},
     GRANTED: {SlotsStored: STORED, SlotsDiscarded: EVICTED},
     STORED: {SlotsCommitted: COMMITTED, SlotsDiscarded: EVICTED},
-    COMMITTED: {SlotsLeased: LEASED, SlotsEvicted: EVICTED},
-    LEASED: {SlotsLeased: LEASED, SlotsUnleased: LEASED},
+    COMMITTED: {SlotsLeased: LEASED, SlotsEvicted: EVICTED, SlotsCondemned: COMMITTED},
+    LEASED: {SlotsLeased: LEASED, SlotsUnleased: LEASED, SlotsCondemned: LEASED},
     EVICTED: {SlotsReset: FREE},
 }
 _NOT_RESET = dict.fromkeys((GRANTED, STORED, COMMITTED, LEASED, EVICTED), Reason.SLOT_NOT_RESET)
@@ -103,6 +105,12 @@ REFUSED = {
         GRANTED: Reason.SLOT_NOT_COMMITTED,
         STORED: Reason.SLOT_NOT_COMMITTED,
         LEASED: Reason.SLOT_LEASED,
+        EVICTED: Reason.SLOT_EVICTED,
+    },
+    SlotsCondemned: {
+        FREE: Reason.SLOT_NOT_COMMITTED,
+        GRANTED: Reason.SLOT_NOT_COMMITTED,
+        STORED: Reason.SLOT_NOT_COMMITTED,
         EVICTED: Reason.SLOT_EVICTED,
     },
     SlotsReset: {
@@ -163,6 +171,7 @@ def event_for(kind: type, slot: int = 0, generation: int = 0) -> Event:
         SlotsLeased: SlotsLeased(R, slots, gens),
         SlotsUnleased: SlotsUnleased(R, slots, gens),
         SlotsEvicted: SlotsEvicted(slots, gens, "lru"),
+        SlotsCondemned: SlotsCondemned(R, slots, gens, "bad_digest"),
         SlotsReset: SlotsReset(slots, gens),
     }
     return made[kind]
@@ -201,6 +210,9 @@ def test_each_pair_leads_where_the_table_says_or_is_refused_with_its_reason(
     assert pool.state(0) is target
     assert pool.generation(0) == (1 if kind is SlotsReset else 0)
     assert pool.state(1) is FREE  # the other slots are untouched
+    if kind is SlotsCondemned:  # out of the index, leases kept
+        assert pool.is_condemned(0) and pool.where(NS, b"k0") is None
+        assert dict(pool.leases(0)) == ({R: 2} if state is LEASED else {})
 
 
 @pytest.mark.parametrize("kind", SLOT_EVENTS, ids=[k.__name__ for k in SLOT_EVENTS])
@@ -463,6 +475,11 @@ def test_a_pool_of_another_size_is_resized_and_a_slot_that_comes_back_is_a_new_g
         ("check_evict_all", ("lru-ish",)),
         ("check_discard", ([0], "bored")),
         ("check_reset", ([8],)),
+        ("check_condemn", ("", [(0, 0)])),
+        ("check_condemn", (R, [])),
+        ("check_condemn", (R, [(8, 0)])),
+        ("check_condemn", (R, [(0, 0)] * (MAX_BATCH + 1))),
+        ("check_condemn", (R, [(0, 0)], "whim")),
     ],
 )
 def test_malformed_input_is_bad_offload_and_changes_nothing(call: str, args: tuple) -> None:
@@ -480,6 +497,8 @@ def test_malformed_input_is_bad_offload_and_changes_nothing(call: str, args: tup
         SlotsStored(W, NS, (0,), (0,), (b"k", b"j"), (b"",)),
         SlotsLeased(R, (1 << 40,), (0,)),
         SlotsReset((-1,), (0,)),
+        SlotsCondemned("", (0,), (0,), "bad_digest"),
+        SlotsCondemned(R, (0, 0), (0, 0), "bad_digest"),
         PoolOpened(1 << 40, 4096, "huge", True),
     ],
     ids=lambda e: type(e).__name__,
@@ -498,6 +517,153 @@ def test_a_slot_not_zeroed_at_grant_is_discarded_and_granted_again_only_after_it
     assert pool.check_grant(W, 1) == SlotsGranted(W, (1,), (0,))
     do(pool, log, pool.check_reset([0]))
     assert pool.check_grant(W, 1) == SlotsGranted(W, (0,), (1,))
+
+
+# ------------------------------------------------------------ condemned slots
+
+
+def condemned_while_leased() -> tuple[SlotPool, list[Event]]:
+    """Keys a, b committed in slots 0, 1; R leases a and condemns slot 0 (its digest differed)."""
+    pool, log = stored_pool([b"a", b"b"])
+    do(pool, log, pool.check_lease(R, NS, [b"a"])[0])
+    event = pool.check_condemn(R, [(0, 0)])
+    assert event == SlotsCondemned(R, (0,), (0,), "bad_digest")
+    do(pool, log, event)
+    return pool, log
+
+
+def test_a_condemned_slot_leaves_the_index_at_once_and_keeps_its_leases() -> None:
+    pool, log = condemned_while_leased()
+    assert pool.where(NS, b"a") is None and pool.is_condemned(0)
+    assert pool.state(0) is LEASED and dict(pool.leases(0)) == {R: 1}
+    assert pool.key(0) == (NS, b"a") and pool.digest(0) == b"da"  # kept until its reset
+    # Nobody is handed it again: the reporter, nor another reader.
+    assert pool.check_lease(R, NS, [b"a", b"b"])[1] == [None, (1, 0, b"db")]
+    assert pool.check_lease("r2", NS, [b"a"]) == (None, [None])
+    # Still leased: never evicted, never reset, whatever asks.
+    assert pool.check_evict_condemned() is None
+    assert pool.check_evict(8) == SlotsEvicted((1,), (0,), "lru")
+    assert pool.check_evict_all("operator") == SlotsEvicted((1,), (0,), "operator")
+    refused(pool, Reason.SLOT_LEASED, pool.apply, SlotsEvicted((0,), (0,), "condemned"))
+    refused(pool, Reason.SLOT_LEASED, pool.check_reset, [0])
+    # The reporter gives its lease back: committed, still condemned, evicted next.
+    do(pool, log, pool.check_unlease(R, [(0, 0)]))
+    assert pool.state(0) is COMMITTED and pool.is_condemned(0)
+    assert pool.where(NS, b"a") is None
+    evicted = pool.check_evict_condemned()
+    assert evicted == SlotsEvicted((0,), (0,), "condemned")
+    do(pool, log, evicted)
+    assert pool.check_evict_condemned() is None
+    assert pool.is_condemned(0)  # until its reset
+    do(pool, log, pool.check_reset([0]))
+    assert not pool.is_condemned(0) and pool.condemned() == []
+    assert (pool.state(0), pool.generation(0), pool.digest(0)) == (FREE, 1, None)
+    assert pool.where(NS, b"b") == 1  # the other key never moved
+
+
+def test_a_new_store_of_a_condemned_key_commits_elsewhere_and_the_old_slots_eviction_keeps_it() -> (
+    None
+):
+    pool, log = condemned_while_leased()
+    granted = pool.check_grant("w2", 1)
+    assert granted == SlotsGranted("w2", (2,), (0,))
+    do(pool, log, granted)
+    events = pool.check_store("w2", NS, [(2, 0, b"a", b"fresh")])
+    assert [type(e) for e in events] == [SlotsStored, SlotsCommitted]  # not a duplicate
+    do(pool, log, *events)
+    assert pool.where(NS, b"a") == 2
+    assert pool.check_lease("r2", NS, [b"a"])[1] == [(2, 0, b"fresh")]
+    # A condemn said again of the old slot changes nothing (the new entry stays)...
+    do(pool, log, SlotsCondemned(R, (0,), (0,), "bad_digest"))
+    assert pool.where(NS, b"a") == 2
+    # ...and neither does its eviction nor its reset: the index names slot 2.
+    do(pool, log, pool.check_unlease(R, [(0, 0)]))
+    do(pool, log, pool.check_evict_condemned())
+    assert pool.state(0) is EVICTED and pool.where(NS, b"a") == 2
+    do(pool, log, pool.check_reset([0]))
+    assert pool.where(NS, b"a") == 2 and pool.index_size() == 2
+    # The replayed pool agrees.
+    replayed = SlotPool()
+    for event in log:
+        replayed.apply(event)
+    assert replayed.snapshot() == pool.snapshot()
+
+
+def test_condemn_is_idempotent_and_refused_for_a_slot_not_committed_evicted_or_stale() -> None:
+    pool, log = condemned_while_leased()
+    assert pool.check_condemn(R, [(0, 0)]) is None
+    assert pool.check_condemn("r2", [(0, 0), (0, 0)]) is None  # anyone may say it again
+    # Of several, only those not condemned yet; an item twice counts once.
+    assert pool.check_condemn(R, [(0, 0), (1, 0), (1, 0)]) == SlotsCondemned(
+        R, (1,), (0,), "bad_digest"
+    )
+    # A committed slot nobody leases may be condemned too.
+    do(pool, log, pool.check_condemn("r2", [(1, 0)]))
+    assert pool.state(1) is COMMITTED and pool.where(NS, b"b") is None
+    do(pool, log, pool.check_grant(W, 2))  # slots 2, 3
+    do(pool, log, SlotsStored(W, NS, (3,), (0,), (b"c",), (b"",)))
+    do(pool, log, pool.check_evict_condemned())  # slot 1: evicted
+    refused(pool, Reason.SLOT_NOT_COMMITTED, pool.check_condemn, R, [(2, 0)])  # granted
+    refused(pool, Reason.SLOT_NOT_COMMITTED, pool.check_condemn, R, [(3, 0)])  # stored
+    refused(pool, Reason.SLOT_NOT_COMMITTED, pool.check_condemn, R, [(4, 0)])  # free
+    refused(pool, Reason.SLOT_EVICTED, pool.check_condemn, R, [(1, 0)])
+    refused(pool, Reason.SLOT_STALE, pool.check_condemn, R, [(0, 1)])
+    # All or nothing: a bad item refuses the good ones beside it.
+    do(pool, log, pool.check_unlease(R, [(0, 0)]))
+    refused(pool, Reason.BAD_OFFLOAD, pool.check_condemn, R, [(0, 0), (0, 1)])  # a slot twice
+    refused(
+        pool, Reason.SLOT_NOT_COMMITTED, pool.apply, SlotsCondemned(R, (0, 2), (0, 0), "bad_digest")
+    )
+
+
+def test_lru_eviction_takes_unleased_condemned_slots_before_any_other() -> None:
+    pool, log = stored_pool([b"a", b"b", b"c", b"d"])  # committed in order 0, 1, 2, 3
+    do(pool, log, pool.check_condemn(R, [(3, 0)]), pool.check_condemn(R, [(2, 0)]))
+    assert pool.check_evict(1) == SlotsEvicted((2,), (0,), "lru")
+    assert pool.check_evict(3) == SlotsEvicted((2, 3, 0), (0, 0, 0), "lru")
+    # A leased condemned slot is not taken: the next is the least recently used.
+    do(pool, log, SlotsLeased(R, (2,), (0,)))
+    assert pool.check_evict(2) == SlotsEvicted((3, 0), (0, 0), "lru")
+    assert pool.check_evict_condemned() == SlotsEvicted((3,), (0,), "condemned")
+
+
+def test_a_snapshot_keeps_a_condemned_slot_out_of_the_index_and_old_records_decode() -> None:
+    pool, log = condemned_while_leased()
+    do(pool, log, pool.check_grant("w2", 1))
+    do(pool, log, *pool.check_store("w2", NS, [(2, 0, b"a", b"fresh")]))
+    registry = Registry()
+    for event in log:
+        registry.apply(event, 1.0)
+    snap = decode_snapshot(encode_snapshot(registry.snapshot(len(log))))
+    assert snap.slots is not None
+    (record,) = [r for r in snap.slots.records if r.slot == 0]
+    assert record.condemned and record.state is LEASED
+    assert set(snap.slots.recency) == {0, 1, 2}  # a condemned slot keeps its place
+    back = Registry.from_snapshot(snap).slots
+    assert back.snapshot() == pool.snapshot()
+    assert back.where(NS, b"a") == 2 and back.is_condemned(0) and not back.is_condemned(2)
+    assert back.check_lease("r2", NS, [b"a"])[1] == [(2, 0, b"fresh")]
+    do(back, [], back.check_unlease(R, [(0, 0)]))
+    assert back.check_evict_condemned() == SlotsEvicted((0,), (0,), "condemned")
+    # A record written before the flag existed decodes as a slot not condemned.
+    old = msgspec.msgpack.encode([1, "committed", 0, W, NS, b"b", b"db", []])
+    plain = msgspec.msgpack.decode(old, type=SlotRecord)
+    assert plain == SlotRecord(1, COMMITTED, 0, W, NS, b"b", b"db") and not plain.condemned
+    # A damaged snapshot: a condemned free slot, or two indexed slots with one key.
+    slots = snap.slots
+    bad = [
+        msgspec.structs.replace(
+            slots, records=(*slots.records, SlotRecord(5, FREE, 1, condemned=True))
+        ),
+        msgspec.structs.replace(
+            slots,
+            records=tuple(msgspec.structs.replace(r, condemned=False) for r in slots.records),
+        ),
+    ]
+    for damaged in bad:
+        with pytest.raises(Refusal) as info:
+            SlotPool.from_snapshot(damaged)
+        assert info.value.reason is Reason.BAD_OFFLOAD
 
 
 # --------------------------------------------------------------------- replay
@@ -523,12 +689,17 @@ def busy_journal() -> tuple[Registry, list[Event]]:
     commit(pool.check_reset(pool.evicted()))
     commit(pool.check_grant("w2", 2))
     commit(*pool.abandon("w2"))
+    # Slot 3 (W's last grant) committed, leased by r2 and condemned: leased, out of the index.
+    commit(*pool.check_store(W, NS, [(3, 0, b"c", b"3")]))
+    commit(pool.check_lease("r2", NS, [b"c"])[0])
+    commit(pool.check_condemn("r2", [(3, 0)]))
     return registry, log
 
 
 def test_replay_of_the_records_and_a_snapshot_rebuild_the_same_pool() -> None:
     registry, log = busy_journal()
-    assert registry.slots.counts()[LEASED] == 1 and registry.slots.evicted()
+    assert registry.slots.counts()[LEASED] == 2 and registry.slots.evicted()
+    assert registry.slots.condemned() == [3]
     replayed = fold((event, 1.0) for event in log)
     assert replayed.snapshot(0) == registry.snapshot(0)
     snap = decode_snapshot(encode_snapshot(registry.snapshot(len(log))))
@@ -539,6 +710,8 @@ def test_replay_of_the_records_and_a_snapshot_rebuild_the_same_pool() -> None:
     assert back.slots.where(NS, b"a") == registry.slots.where(NS, b"a") == 0
     assert back.slots.check_grant("x", 6) == registry.slots.check_grant("x", 6)
     assert back.slots.check_evict(6) == registry.slots.check_evict(6)
+    assert back.slots.where(NS, b"c") is None and back.slots.condemned() == [3]
+    assert dict(back.slots.leases(3)) == {"r2": 1}
 
 
 def test_a_registry_without_a_pool_snapshots_as_before() -> None:
@@ -628,3 +801,22 @@ def test_journal_show_slot_prints_its_history_with_the_flag(tmp_path: Path, caps
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [bool(row["flag"]) for row in rows].count(True) == 1
     assert rows[1]["slot_state"] == "granted" and rows[1]["generation"] == 0
+
+
+def test_a_slots_history_shows_its_condemn_and_the_eviction_that_follows() -> None:
+    pool, log = condemned_while_leased()
+    do(pool, log, pool.check_unlease(R, [(0, 0)]))
+    do(pool, log, pool.check_evict_condemned())
+    do(pool, log, pool.check_reset([0]))
+    records = [Record(FORMAT_VERSION, "n", seq, float(seq), e) for seq, e in enumerate(log, 1)]
+    lines = slot_history(records, 0)
+    tail = [(type(line.record.event).__name__, line.state, line.flag) for line in lines[-4:]]
+    assert tail == [
+        ("SlotsCondemned", LEASED, ""),
+        ("SlotsUnleased", COMMITTED, ""),
+        ("SlotsEvicted", EVICTED, ""),
+        ("SlotsReset", FREE, ""),
+    ]
+    assert [line.record.event for line in lines if isinstance(line.record.event, SlotsEvicted)] == [
+        SlotsEvicted((0,), (0,), "condemned")
+    ]

@@ -2,16 +2,19 @@
 
 Three holders grant, store (often the same keys, sometimes with another
 holder's slots or an old generation), lease, unlease (sometimes more than
-they hold), evict, reset, abandon and restart, and the daemon reopens its
-pool (survived or not, sometimes resized). Beside the checks, raw records
+they hold), condemn (a reader's digest differed: mostly slots they lease,
+now and then any), evict (condemned slots too), reset, abandon and
+restart, and the daemon reopens its pool (survived or not, sometimes
+resized). Beside the checks, raw records
 of any kind and any slot are applied as a damaged journal would, and must
 be refused or be legal. Every refusal must leave the snapshot unchanged;
 every event a check returned must apply; every applied event is logged,
 and folding the log into a fresh pool, or through the registry's snapshot
 codec, must give the same pool.
 
-Invariants: a key maps to one committed (or leased) slot and back; a
-leased slot is never evicted or reset; every slot granted was reset (free)
+Invariants: a key maps to one committed (or leased) slot not condemned, and
+back, and a condemned slot is found by no key; a leased slot is never
+evicted or reset; every slot granted was reset (free)
 since its last use; generations only grow; the counts add up.
 """
 
@@ -27,6 +30,7 @@ from schemas.events import (
     Event,
     PoolOpened,
     SlotsCommitted,
+    SlotsCondemned,
     SlotsDiscarded,
     SlotsEvicted,
     SlotsGranted,
@@ -84,7 +88,7 @@ class SlotMachine(RuleBasedStateMachine):
         gen_before = {s: pool.generation(s) for s in inside}
         pool.apply(event)
         self.log.append(event)
-        hyp_event(type(event).__name__)
+        hyp_event(f"{type(event).__name__} {getattr(event, 'why', '')}".strip())
         if isinstance(event, SlotsEvicted | SlotsReset):
             for s in event.slots:
                 assert not leased_before[s], f"slot {s} had leases {leased_before[s]}"
@@ -104,6 +108,17 @@ class SlotMachine(RuleBasedStateMachine):
         if isinstance(event, SlotsEvicted):
             for s in event.slots:
                 del self.used[s]
+                if event.why == "condemned":
+                    assert pool.is_condemned(s)
+        if isinstance(event, SlotsCondemned):
+            for s in event.slots:
+                assert pool.is_condemned(s) and pool.state(s) is state_before[s]
+                assert dict(pool.leases(s)) == leased_before[s]  # leases kept
+                ident = pool.key(s)
+                assert ident is not None and pool.where(*ident) != s
+        if isinstance(event, SlotsReset):
+            for s in event.slots:
+                assert not pool.is_condemned(s)
         if isinstance(event, PoolOpened):
             # A slot a smaller pool dropped is new memory when it comes back
             # (a new pool, or a file cut and extended: zeros).
@@ -176,11 +191,39 @@ class SlotMachine(RuleBasedStateMachine):
         ns=ns_st,
         keys=st.lists(key_st, min_size=1, max_size=3),
         give_back=st.booleans(),
+        bad_digest=st.integers(0, 3),
     )
     def session(
-        self, writer: str, reader: str, ns: str, keys: list[bytes], give_back: bool
+        self,
+        writer: str,
+        reader: str,
+        ns: str,
+        keys: list[bytes],
+        give_back: bool,
+        bad_digest: int,
     ) -> None:
-        """The happy path an engine takes: grant, store, then a reader leases (and gives back)."""
+        """The path an engine takes: grant, store, then a reader leases (and gives back);
+        now and then the reader's digest differs: it condemns what it leased first, and
+        the daemon evicts what no lease holds after the unlease."""
+        self.store_keys(writer, ns, keys)
+        answer = self._ask(self.pool.check_lease, reader, ns, keys)
+        if isinstance(answer, tuple) and answer[0] is not None:
+            leased = answer[0]
+            pairs = list(zip(leased.slots, leased.generations, strict=True))
+            if bad_digest < 2:
+                self._ask(self.pool.check_condemn, reader, pairs)
+                for slot, _ in pairs:
+                    ident = self.pool.key(slot)
+                    assert ident is not None
+                    (hit,) = self.pool.check_lease(reader, ident[0], [ident[1]])[1]
+                    assert hit is None or hit[0] != slot, f"condemned slot {slot} handed out again"
+            if not bad_digest:  # the engine recomputes and stores the keys again
+                self.store_keys(writer, ns, keys)
+            if give_back:
+                self._ask(self.pool.check_unlease, reader, pairs)
+                self._ask(self.pool.check_evict_condemned)
+
+    def store_keys(self, writer: str, ns: str, keys: list[bytes]) -> None:
         granted = self._ask(self.pool.check_grant, writer, len(keys))
         if isinstance(granted, SlotsGranted):
             items = [
@@ -188,14 +231,6 @@ class SlotMachine(RuleBasedStateMachine):
                 for s, g, key in zip(granted.slots, granted.generations, keys, strict=False)
             ]
             self._ask(self.pool.check_store, writer, ns, items)
-        answer = self._ask(self.pool.check_lease, reader, ns, keys)
-        if give_back and isinstance(answer, tuple) and answer[0] is not None:
-            leased = answer[0]
-            self._ask(
-                self.pool.check_unlease,
-                reader,
-                list(zip(leased.slots, leased.generations, strict=True)),
-            )
 
     @rule(holder=holder_st, ns=ns_st, keys=st.lists(key_st, max_size=4))
     def lease(self, holder: str, ns: str, keys: list[bytes]) -> None:
@@ -213,6 +248,28 @@ class SlotMachine(RuleBasedStateMachine):
         stale = data.draw(st.integers(0, 9)) == 0
         items = [(s, (pool.generation(s) if 0 <= s < pool.size else 0) + stale) for s in picks]
         self._ask(pool.check_unlease, holder, items)
+        if data.draw(st.booleans()):  # as the daemon does after each unlease
+            self._ask(pool.check_evict_condemned)
+
+    @rule(holder=holder_st, data=st.data())
+    def condemn(self, holder: str, data: st.DataObject) -> None:
+        """A reader's digest differed: mostly a slot it leases, now and then a committed,
+        condemned, evicted or free one, one outside the pool, or an old generation."""
+        pool = self.pool
+        mine = [s for s in self._slots_in(LEASED) if pool.leases(s).get(holder)]
+        if mine and data.draw(st.integers(0, 3)):
+            picks = data.draw(st.lists(st.sampled_from(mine), min_size=1, max_size=2))
+        else:
+            others = [-1, 0, 7, *self._slots_in(COMMITTED, SlotState.EVICTED, SlotState.GRANTED)]
+            picks = data.draw(st.lists(st.sampled_from([*mine, *others]), min_size=1, max_size=3))
+        stale = data.draw(st.integers(0, 9)) == 0
+        items = [(s, (pool.generation(s) if 0 <= s < pool.size else 0) + stale) for s in picks]
+        self._ask(pool.check_condemn, holder, items)
+
+    @rule()
+    def evict_condemned(self) -> None:
+        self._ask(self.pool.check_evict_condemned)
+        assert not [s for s in self.pool.condemned() if self.pool.state(s) is COMMITTED]
 
     @rule(n=st.integers(0, 3), why=st.sampled_from(["lru", "lru", "operator", "bogus"]))
     def evict(self, n: int, why: str) -> None:
@@ -263,6 +320,7 @@ class SlotMachine(RuleBasedStateMachine):
                 SlotsLeased,
                 SlotsUnleased,
                 SlotsEvicted,
+                SlotsCondemned,
                 SlotsReset,
             ]
         ),
@@ -300,6 +358,7 @@ class SlotMachine(RuleBasedStateMachine):
             SlotsLeased: lambda: SlotsLeased(holder, slots_t, gens),
             SlotsUnleased: lambda: SlotsUnleased(holder, slots_t, gens),
             SlotsEvicted: lambda: SlotsEvicted(slots_t, gens, "lru"),
+            SlotsCondemned: lambda: SlotsCondemned(holder, slots_t, gens, "bad_digest"),
             SlotsReset: lambda: SlotsReset(slots_t, gens),
         }
         event = make[kind]()
@@ -320,10 +379,19 @@ class SlotMachine(RuleBasedStateMachine):
             if pool.state(s) in (COMMITTED, LEASED):
                 ident = pool.key(s)
                 assert ident is not None
+                if pool.is_condemned(s):
+                    assert pool.where(*ident) != s, f"condemned slot {s} is found by {ident}"
+                    continue
                 assert ident not in published, f"{ident} in slots {published[ident]} and {s}"
                 published[ident] = s
                 assert pool.where(*ident) == s
         assert pool.index_size() == len(published)
+
+    @invariant()
+    def condemned_slots_are_committed_leased_or_evicted(self) -> None:
+        pool = self.pool
+        for s in pool.condemned():
+            assert pool.state(s) in (COMMITTED, LEASED, SlotState.EVICTED), s
 
     @invariant()
     def leases_and_states_agree(self) -> None:
@@ -344,7 +412,10 @@ class SlotMachine(RuleBasedStateMachine):
     def eviction_takes_the_least_recently_used_unleased_slots(self) -> None:
         pool = self.pool
         assert set(self.used) == set(self._slots_in(COMMITTED, LEASED))
-        unleased = sorted(self._slots_in(COMMITTED), key=self.used.__getitem__)
+        # Condemned ones first (lowest numbers first), then least recently used.
+        condemned = [s for s in self._slots_in(COMMITTED) if pool.is_condemned(s)]
+        rest = [s for s in self._slots_in(COMMITTED) if not pool.is_condemned(s)]
+        unleased = condemned + sorted(rest, key=self.used.__getitem__)
         for n in (1, 2, 5):
             chosen = pool.check_evict(n)
             assert (chosen.slots if chosen else ()) == tuple(unleased[:n])
@@ -376,6 +447,7 @@ class SlotMachine(RuleBasedStateMachine):
         for pool in (replayed, back.slots):
             assert pool.check_grant("x", 3) == self.pool.check_grant("x", 3)
             assert pool.check_evict(3) == self.pool.check_evict(3)
+            assert pool.check_evict_condemned() == self.pool.check_evict_condemned()
 
 
 SlotMachine.TestCase.settings = settings(
