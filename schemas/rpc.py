@@ -272,7 +272,24 @@ class OffloadUnlease(_Request, frozen=True, tag="offload_unlease"):
     generations: Generations
 
 
-OffloadRequest = OffloadAttach | OffloadGrant | OffloadStore | OffloadLease | OffloadUnlease
+class OffloadCondemn(_Request, frozen=True, tag="offload_condemn"):
+    """``holder`` says leased (or committed) ``slots`` (at ``generations``) are bad: the
+    bytes it loaded differ from the committed digest.
+
+    Each leaves the content index at once (never leased again; its key may
+    be stored anew) and is evicted and reset once no lease holds it; the
+    holder still gives its own leases back. Answered :class:`Ok` once
+    durable; a slot condemned already is no refusal.
+    """
+
+    holder: Holder
+    slots: Slots
+    generations: Generations
+
+
+OffloadRequest = (
+    OffloadAttach | OffloadGrant | OffloadStore | OffloadLease | OffloadUnlease | OffloadCondemn
+)
 
 
 # What a Batch may carry: the calls about one request each, which an engine
@@ -311,6 +328,7 @@ Request = (
     | OffloadStore
     | OffloadLease
     | OffloadUnlease
+    | OffloadCondemn
 )
 
 

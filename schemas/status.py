@@ -86,13 +86,15 @@ class OffloadLine(_Part, frozen=True):
     by_state: dict[str, int] = {}  # slots per state (schemas/state.py SlotState)
     holders: int = 0  # tier clients with a live connection
     # Since the daemon started: keys looked up (hit, miss), stored (committed,
-    # duplicate: the first kept), slots reset, slots found not zero at grant.
+    # duplicate: the first kept), slots reset, slots found not zero at grant,
+    # slots readers condemned (their digest differed).
     hits: int = 0
     misses: int = 0
     committed: int = 0
     duplicates: int = 0
     resets: int = 0
     not_zero: int = 0
+    condemned: int = 0
 
 
 class StatusDocument(_Part, frozen=True):

@@ -33,6 +33,7 @@ from schemas import rpc
 from schemas.events import (
     MAX_BATCH,
     MAX_KEY_BYTES,
+    SlotsCondemned,
     SlotsDiscarded,
     SlotsEvicted,
     SlotsReset,
@@ -282,6 +283,186 @@ def test_a_duplicate_key_keeps_the_first_and_the_loser_is_reset(
         for e in events
     )
     assert tier(shared)["duplicates"] >= 1
+
+
+# ------------------------------------------------------------- a condemned slot
+
+
+def test_a_condemned_slot_misses_at_once_and_is_evicted_and_reset_once_unleased(
+    shared: Daemon, client: BlockingEngineClient
+) -> None:
+    """A reader whose loaded bytes differ from the digest condemns the slot: the next
+    lookup misses (no recompute loop), and the slot goes once the reader's lease does."""
+    writer, reader = f"cw-{uuid.uuid4().hex[:6]}", f"cr-{uuid.uuid4().hex[:6]}"
+    bad = key(f"condemn-{uuid.uuid4().hex}")
+    with attach_pool(shared.socket, writer) as pool:
+        before = tier(shared)
+        stored, digests = store_new(client, pool, writer, [bad])
+        (slot,), (generation,) = stored.slots, stored.generations
+        leased = client.offload_lease(reader, NS, [bad])
+        assert (leased.slots, leased.digests) == (stored.slots, tuple(digests))
+        pool.view(slot)[:8] = b"\xff" * 8  # a write after the commit: the digest differs
+        assert hashlib.sha256(pool.view(slot)).digest() != leased.digests[0]
+        client.offload_condemn(reader, leased.slots, leased.generations)
+        # Never handed out again, to the reporter or anyone, while its lease holds it.
+        assert client.offload_lease(reader, NS, [bad]).slots == (-1,)
+        assert client.offload_lease(f"other-{reader}", NS, [bad]).slots == (-1,)
+        assert tier(shared)["condemned"] - before["condemned"] == 1
+        assert states(shared)["leased"] >= 1
+        # Said again: no refusal, nothing more counted.
+        client.offload_condemn(reader, leased.slots, leased.generations)
+        assert tier(shared)["condemned"] - before["condemned"] == 1
+        # The lease given back: evicted (condemned), zeroed, reset a generation on.
+        client.offload_unlease(reader, leased.slots, leased.generations)
+        wait_for("the condemned slot zeroed", lambda: not any(pool.view(slot)))
+        events = wait_for("its reset journaled", lambda: journaled(shared, SlotsReset, [slot]))
+        history = [
+            (type(e).__name__, getattr(e, "holder", ""), getattr(e, "why", ""))
+            for e in events
+            if isinstance(e, SlotsCondemned | SlotsEvicted | SlotsReset)
+            and (slot, generation) in zip(e.slots, e.generations, strict=True)
+        ]
+        assert history == [
+            ("SlotsCondemned", reader, "bad_digest"),
+            ("SlotsEvicted", "", "condemned"),
+            ("SlotsReset", "", ""),
+        ]
+        # The key is stored again (in whichever slot) and hits with its new bytes.
+        again, again_digests = store_new(client, pool, writer, [bad])
+        found = client.offload_lease(reader, NS, [bad])
+        assert found.slots == again.slots and found.digests == tuple(again_digests)
+        assert hashlib.sha256(pool.view(found.slots[0])).digest() == found.digests[0]
+        client.offload_unlease(reader, found.slots, found.generations)
+    warned = [
+        line
+        for line in shared.logs().splitlines()
+        if "offload slot condemned" in line and f'"holder": "{reader}"' in line
+    ]
+    assert len(warned) == 1, warned  # said twice, condemned (and logged) once
+    assert f'"slot": {slot}' in warned[0] and f'"generation": {generation}' in warned[0]
+    scraped = _scrape(shared)
+    assert scraped[("kvpushd_offload_condemned_total", ())] >= 1
+
+
+def test_a_new_store_of_a_condemned_key_hits_while_the_old_slot_is_still_leased(
+    shared: Daemon, client: BlockingEngineClient
+) -> None:
+    """The engine recomputes and stores the key again while it still holds the bad slot's
+    lease: the new copy commits (no duplicate) and is what every lookup finds."""
+    holder = f"re-{uuid.uuid4().hex[:6]}"
+    same = key(f"restore-{uuid.uuid4().hex}")
+    with attach_pool(shared.socket, holder) as pool:
+        old, _ = store_new(client, pool, holder, [same])
+        leased = client.offload_lease(holder, NS, [same])
+        client.offload_condemn(holder, leased.slots, leased.generations)
+        new, new_digests = store_new(client, pool, holder, [same])  # committed, not a duplicate
+        assert new.slots != old.slots
+        found = client.offload_lease("re-reader", NS, [same])
+        assert found.slots == new.slots and found.digests == tuple(new_digests)
+        client.offload_unlease("re-reader", found.slots, found.generations)
+        # The old slot's eviction leaves the new entry in the index.
+        client.offload_unlease(holder, leased.slots, leased.generations)
+        wait_for("the old slot reset", lambda: journaled(shared, SlotsReset, old.slots))
+        found = client.offload_lease("re-reader", NS, [same])
+        assert found.slots == new.slots
+        client.offload_unlease("re-reader", found.slots, found.generations)
+
+
+def test_a_condemned_slot_nobody_leases_is_evicted_and_reset_right_away(
+    shared: Daemon, client: BlockingEngineClient
+) -> None:
+    """A reader that gave its lease back before it checked still condemns: nothing holds
+    the slot, so the condemn itself evicts it."""
+    holder = f"late-{uuid.uuid4().hex[:6]}"
+    bad = key(f"late-{uuid.uuid4().hex}")
+    with attach_pool(shared.socket, holder) as pool:
+        stored, _ = store_new(client, pool, holder, [bad])
+        leased = client.offload_lease(holder, NS, [bad])
+        client.offload_unlease(holder, leased.slots, leased.generations)
+        client.offload_condemn(holder, leased.slots, leased.generations)
+        assert client.offload_lease(holder, NS, [bad]).slots == (-1,)
+        (slot,), (generation,) = stored.slots, stored.generations
+        events = wait_for("its reset journaled", lambda: journaled(shared, SlotsReset, [slot]))
+        evicted = [
+            e.why
+            for e in events
+            if isinstance(e, SlotsEvicted)
+            and (slot, generation) in zip(e.slots, e.generations, strict=True)
+        ]
+        assert evicted == ["condemned"]
+
+
+def test_a_condemned_slot_whose_lease_a_restart_dropped_is_evicted_at_the_start(
+    tmp_path: Path,
+) -> None:
+    path = f"/dev/shm/kvpushd-test-pool-{uuid.uuid4().hex[:8]}"
+    daemon = start(tmp_path, "condemn-restart", offload_config(8, path=path))
+    try:
+        with (
+            BlockingEngineClient.connect(daemon.socket) as client,
+            attach_pool(daemon.socket, "w") as pool,
+        ):
+            keys = [key("cr-bad"), key("cr-good")]
+            stored, digests = store_new(client, pool, "w", keys)
+            leased = client.offload_lease("r", NS, keys[:1])
+            client.offload_condemn("r", leased.slots, leased.generations)
+        daemon.kill()  # the reader's lease dies with the daemon, never given back
+        daemon.start()
+        assert tier(daemon)["survived"]
+        wait_for("the condemned slot reset", lambda: settled(daemon))
+        events = slot_events(daemon)
+        opened = max(i for i, e in enumerate(events) if type(e).__name__ == "PoolOpened")
+        after = [(type(e).__name__, getattr(e, "why", "")) for e in events[opened + 1 :]]
+        assert after[:2] == [("SlotsEvicted", "condemned"), ("SlotsReset", "")]
+        assert events[opened + 1].slots == (stored.slots[0],)
+        with BlockingEngineClient.connect(daemon.socket) as client:
+            found = client.offload_lease("after", NS, keys)
+            assert found.slots == (-1, stored.slots[1]) and found.digests[1] == digests[1]
+    finally:
+        daemon.kill()
+        os.unlink(path)
+
+
+def test_hostile_condemn_calls_get_their_reason_and_change_nothing(
+    shared: Daemon, client: BlockingEngineClient
+) -> None:
+    holder = f"hc-{uuid.uuid4().hex[:6]}"
+    kept = key(f"hc-kept-{uuid.uuid4().hex}")
+    with attach_pool(shared.socket, holder) as pool:
+        stored, digests = store_new(client, pool, holder, [kept])
+        slot, gen = stored.slots[0], stored.generations[0]
+        open_grant = client.offload_grant(holder, 1)
+        before = tier(shared)
+        cases: list[tuple[str, Callable[[], Any]]] = [
+            ("bad_offload", lambda: client.offload_condemn(holder, [10_000], [0])),
+            ("bad_offload", lambda: client.offload_condemn(holder, [slot], [gen, gen])),
+            ("bad_offload", lambda: client.offload_condemn(holder, [], [])),
+            ("slot_stale", lambda: client.offload_condemn(holder, [slot], [gen + 1])),
+            (
+                "slot_not_committed",
+                lambda: client.offload_condemn(holder, open_grant.slots, open_grant.generations),
+            ),
+            ("bad_request", lambda: client.offload_condemn("", [slot], [gen])),
+            (
+                "bad_request",
+                lambda: client.offload_condemn(
+                    holder, [slot] * (MAX_BATCH + 1), [gen] * (MAX_BATCH + 1)
+                ),
+            ),
+        ]
+        for code, call in cases:
+            with pytest.raises(RpcError) as refused:
+                call()
+            assert refused.value.code == code, (code, refused.value)
+        after = tier(shared)
+        assert after["by_state"] == before["by_state"]
+        assert after["condemned"] == before["condemned"]
+        # Nothing moved: the key still hits with its digest.
+        leased = client.offload_lease(holder, NS, [kept])
+        assert leased.slots == stored.slots and leased.digests == tuple(digests)
+        client.offload_unlease(holder, leased.slots, leased.generations)
+    events = slot_events(shared)
+    assert not any(isinstance(e, SlotsCondemned) and e.holder == holder for e in events)
 
 
 # ------------------------------------------------------------------ hostile input

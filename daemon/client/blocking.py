@@ -218,6 +218,16 @@ class BlockingEngineClient:
     ) -> rpc.Ok:
         return self._run(self.client.offload_unlease(holder, slots, generations, timeout=timeout))
 
+    def offload_condemn(
+        self,
+        holder: str,
+        slots: Sequence[int],
+        generations: Sequence[int],
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        self._run(self.client.offload_condemn(holder, slots, generations, timeout=timeout))
+
     def status(self, *, timeout: float | None = None) -> dict[str, Any]:
         return self._run(self.client.status(timeout=timeout))
 

@@ -439,6 +439,23 @@ class EngineClient:
         )
         return await self._call(request, rpc.Ok, timeout)
 
+    async def offload_condemn(
+        self,
+        holder: str,
+        slots: Sequence[int],
+        generations: Sequence[int],
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """Say leased ``slots`` (with their generations) are bad: the bytes loaded from them
+        differ from their digest. They are never leased again (a lookup of their keys
+        misses, and the keys may be stored anew) and are evicted and reset once no lease
+        holds them; give your own leases back as usual. Returns once durable."""
+        request = rpc.OffloadCondemn(
+            self._next_id(), holder=holder, slots=tuple(slots), generations=tuple(generations)
+        )
+        await self._call(request, rpc.Ok, timeout)
+
     async def status(self, *, timeout: float | None = None) -> dict[str, Any]:
         """The daemon's status document (:class:`schemas.status.StatusDocument`), as a dict."""
         reply = await self._call(rpc.Status(self._next_id()), rpc.StatusReply, timeout)

@@ -453,3 +453,9 @@ class _NodeCollector(Collector):
             "Offload slots found not zero when granted (discarded and reset, never granted).",
             value=tier.not_zero,
         )
+        yield CounterMetricFamily(
+            f"{NAMESPACE}_offload_condemned",
+            "Offload slots readers condemned (their bytes differed from the committed digest: "
+            "never leased again, evicted and reset once unleased).",
+            value=tier.condemned,
+        )

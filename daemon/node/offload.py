@@ -5,19 +5,25 @@ slot of the pool may be granted, stored, committed, leased, evicted or
 reset, and refuses the rest; this part carries it out:
 
 - the calls (``OffloadAttach``, ``OffloadGrant``, ``OffloadStore``,
-  ``OffloadLease``, ``OffloadUnlease``): each asks the core and commits what
-  it says through the ledger, one record per batch. Grants and stores are
-  answered once durable; leases and unleases at once (their records are
-  made durable by the next group commit: a daemon that dies loses every
-  lease anyway, and readers check digests).
+  ``OffloadLease``, ``OffloadUnlease``, ``OffloadCondemn``): each asks the
+  core and commits what it says through the ledger, one record per batch.
+  Grants, stores and condemns are answered once durable; leases and
+  unleases at once (their records are made durable by the next group
+  commit: a daemon that dies loses every lease anyway, and readers check
+  digests).
+- condemned slots (a reader's digest differed): out of the index at once;
+  after a condemn, after each unlease and at a start (the restart dropped
+  every lease), those no lease holds any more are evicted (``condemned``)
+  and the reset task zeroes them.
 - the pool's memory (daemon/dataplane/pool.py), passed to each client that
   attaches (its descriptor on the reply's frame).
 - holders: which connections named each holder; when the last one closes,
   the core's ``abandon`` is journaled (its grants discarded, then reset;
   its leases dropped).
-- the reset task: it keeps ``reserve`` slots free ahead of grants, evicting
-  the least recently used unleased slots, and zeroes every evicted slot in
-  a thread, checks it, and journals ``SlotsReset`` only then. A grant checks
+- the reset task: it keeps ``reserve`` slots free ahead of grants,
+  evicting the least recently used unleased slots (condemned ones first),
+  and zeroes every evicted slot in a thread (once its
+  eviction is durable), checks it, and journals ``SlotsReset`` only then. A grant checks
   each slot zero before the holder hears of it; one that is not is
   discarded ``not_zero`` (counted, logged) and reset, never granted dirty.
 """
@@ -77,6 +83,7 @@ class OffloadCounters:
     duplicates: int = 0
     resets: int = 0
     not_zero: int = 0
+    condemned: int = 0
 
 
 class _Gone(Exception):
@@ -109,6 +116,9 @@ class OffloadTier:
         self._ended: weakref.WeakSet[EngineSession] = weakref.WeakSet()
         self._wake = asyncio.Event()
         self._unsynced = False  # leases appended that nobody asked a sync for
+        # The last eviction journaled without waiting (a condemned slot's, after
+        # an unlease): durable before the reset task zeroes a byte.
+        self._evicted_seq = 0
         self._round_slots = 1 if pool is None else max(1, _RESET_ROUND_BYTES // pool.slot_bytes)
         self._log = log
 
@@ -126,6 +136,7 @@ class OffloadTier:
             rpc.OffloadStore: self.store,
             rpc.OffloadLease: self.lease,
             rpc.OffloadUnlease: self.unlease,
+            rpc.OffloadCondemn: self.condemn,
         }
 
     # ------------------------------------------------------------ start / stop
@@ -147,6 +158,10 @@ class OffloadTier:
             slots.check_pool_opened(pool.slots, pool.slot_bytes, pool.pool_id, pool.survived),
             Cause.RESTART,
         )
+        # Condemned slots whose leases the restart dropped: nobody reads them.
+        condemned = slots.check_evict_condemned()
+        if condemned is not None:
+            ledger.commit([condemned], Cause.RESTART)
         await ledger.durable(ledger.journal.next_seq - 1)
         self._log.info(
             "offload pool opened",
@@ -386,11 +401,53 @@ class OffloadTier:
                 "generations: they must be parallel",
             )
         items = list(zip(req.slots, req.generations, strict=True))
-        event = self._ledger.registry.slots.check_unlease(req.holder, items)
+        slots = self._ledger.registry.slots
+        event = slots.check_unlease(req.holder, items)
         self._commit_lazily([event])
-        if self._ledger.registry.slots.free_count() < self.reserve:
+        if slots.free_count() < self.reserve:
             self._wake.set()  # unleased slots may be evicted now
+        self._evict_condemned()
         return rpc.Ok(req.id)
+
+    async def condemn(self, session: EngineSession, req: rpc.OffloadCondemn) -> rpc.Reply:
+        try:
+            self._touch(session, req.holder)
+        except _Gone:
+            return _gone(req)
+        if len(req.generations) != len(req.slots):
+            raise Refusal(
+                Reason.BAD_OFFLOAD,
+                f"a condemn names {len(req.slots)} slots and {len(req.generations)} "
+                "generations: they must be parallel",
+            )
+        items = list(zip(req.slots, req.generations, strict=True))
+        event = self._ledger.registry.slots.check_condemn(req.holder, items)
+        if event is None:
+            return rpc.Ok(req.id)  # condemned already: said again
+        committed = self._ledger.commit([event], Cause.ENGINE)
+        self.counters.condemned += len(event.slots)
+        for slot, generation in zip(event.slots, event.generations, strict=True):
+            self._log.warning(
+                "offload slot condemned: its bytes differ from its digest; never leased "
+                "again, evicted and reset once no lease holds it",
+                slot=slot,
+                generation=generation,
+                holder=req.holder,
+                why=event.why,
+            )
+        self._evict_condemned()
+        await committed
+        return rpc.Ok(req.id)
+
+    def _evict_condemned(self) -> None:
+        """Evict the condemned slots no lease holds any more; the reset task zeroes them."""
+        victims = self._ledger.registry.slots.check_evict_condemned()
+        if victims is None:
+            return
+        commit = self._ledger.commit([victims], Cause.DAEMON)
+        self._evicted_seq = commit.seq
+        commit.tell_when_durable()
+        self._wake.set()
 
     def _commit_lazily(self, events: list[Any]) -> None:
         """Journal leases and unleases without asking for a sync: they ride the
@@ -441,6 +498,11 @@ class OffloadTier:
         batch = evicted[: self._round_slots]
         if not batch:
             return False
+        if self._evicted_seq:
+            # Condemned slots evicted after an unlease: their eviction durable
+            # before a byte is zeroed, like the LRU's above.
+            seq, self._evicted_seq = self._evicted_seq, 0
+            await self._ledger.durable(seq)
         if failpoints.corrupts("offload.skip_reset"):
             # A planted stale slot: reset journaled, bytes left as they were.
             # The grant's zero check must catch it.
@@ -477,6 +539,7 @@ class OffloadTier:
             duplicates=c.duplicates,
             resets=c.resets,
             not_zero=c.not_zero,
+            condemned=c.condemned,
         )
 
 
@@ -486,6 +549,7 @@ _CALLS: Final = (
     rpc.OffloadStore,
     rpc.OffloadLease,
     rpc.OffloadUnlease,
+    rpc.OffloadCondemn,
 )
 
 

@@ -245,7 +245,7 @@ def _offload(tier: dict[str, Any]) -> str:
             f"         slots: {states}",
             f"         lookups {looked}, hit rate {rate}; stored {tier['committed']}, "
             f"duplicates {tier['duplicates']}; resets {tier['resets']}, "
-            f"not zero at grant {tier['not_zero']}",
+            f"not zero at grant {tier['not_zero']}, condemned {tier.get('condemned', 0)}",
         ]
     )
 
