@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from typing import Final
 
 import crc32c
+import numpy as np
 import torch
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
@@ -47,6 +48,16 @@ from daemon.client.vllm.tier.jobs import TierLoad, TierStore
 from daemon.client.vllm.tier.session import tier_link
 
 log = logging.getLogger(f"vllm.{__name__}")
+
+
+def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as numpy bytes (the tier's worker copies on the CPU only)."""
+    if tensor.device.type != "cpu":
+        raise ValueError(
+            f"the kvpushd offload tier copies host memory; this KV cache is on {tensor.device}"
+        )
+    return tensor.view(torch.uint8).numpy()
+
 
 # Without a pool (no daemon), a job tries to attach again at most this often.
 REATTACH_EVERY_S: Final = 1.0
@@ -73,7 +84,7 @@ class TierWorker(OffloadingWorker):
         )
         self._holder = holder
         self._pool: AttachedPool | None = None
-        self._memory: torch.Tensor | None = None  # the whole pool, bytes as torch sees them
+        self._memory: np.ndarray | None = None  # the whole pool's bytes
         # Across the thread boundary (both thread-safe): the link's loop sets
         # ``_pool_void`` when the daemon that granted the pool is gone (its
         # successor may hold another: a memfd dies with its daemon), and
@@ -81,7 +92,9 @@ class TierWorker(OffloadingWorker):
         # takes them at its next job, before it copies.
         self._pool_void = threading.Event()
         self._handover: queue.SimpleQueue[AttachedPool] = queue.SimpleQueue()
-        self._tensors = [canonical.tensor for canonical in kv_caches.tensors]
+        # vLLM's caches as numpy views of the same memory: a numpy slice and
+        # copy cost a fraction of torch's for one page (bench/tier_copy.py).
+        self._tensors = [_bytes_of(canonical.tensor) for canonical in kv_caches.tensors]
         # Per group: (tensor index, page bytes, offset in a block) of each layer.
         self._layers = [
             [
@@ -224,7 +237,7 @@ class TierWorker(OffloadingWorker):
                 raise
             log.error("kvpushd tier: %s", exc)
             return
-        self._memory = torch.frombuffer(pool.memory, dtype=torch.int8)
+        self._memory = np.frombuffer(pool.memory, dtype=np.uint8)
         self._pool = pool
         log.info(
             "kvpushd tier: %s attached to the pool %s (%d slots of %d bytes)",
@@ -266,14 +279,14 @@ class TierWorker(OffloadingWorker):
                 mine = slot[base + offset : base + offset + page]
                 theirs = self._tensors[tensor][block, :page]
                 if store:
-                    mine.copy_(theirs)
+                    mine[:] = theirs
                 else:
-                    theirs.copy_(mine)
+                    theirs[:] = mine
         if len(groups) != len(slots):
             raise ValueError(f"a job of {len(slots)} slots filled {len(groups)}")
         return groups
 
-    def _slot(self, slot: int) -> torch.Tensor:
+    def _slot(self, slot: int) -> np.ndarray:
         assert self._pool is not None and self._memory is not None
         start = self._pool.offset(slot)
         return self._memory[start : start + self._pool.slot_bytes]
