@@ -125,7 +125,10 @@ def attach_pool(
         size = reply.header_bytes + reply.slots * reply.slot_bytes
         if os.fstat(fds[0]).st_size < size:
             raise ProtocolError(f"the offload pool is smaller than its {size} bytes")
-        mapping = mmap.mmap(fds[0], size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        # Populated at once: a first touch of each page on a store would fault
+        # on the request path (bench/tier_copy.py).
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mapping = mmap.mmap(fds[0], size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         return AttachedPool(
             mapping,
             slots=reply.slots,
