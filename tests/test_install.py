@@ -51,7 +51,20 @@ OLD_TEST_SECRET = b"test-secret-0123456789abcdef"
 # itself, import without it: the package exports the connector lazily).
 CONNECTOR = tuple(
     f"daemon.client.vllm.{part}"
-    for part in ("connector", "guard", "metadata", "scheduler", "stats", "worker")
+    for part in (
+        "connector",
+        "guard",
+        "identity",
+        "metadata",
+        "scheduler",
+        "stats",
+        "worker",
+        "tier.connector",
+        "tier.copier",
+        "tier.jobs",
+        "tier.manager",
+        "tier.spec",
+    )
 )
 
 IMPORT_ALL = """
