@@ -128,10 +128,15 @@ class TierWorker(OffloadingWorker):
         if not self._pool_ready():
             self._finished.append(TransferResult(job_id, True, 0, 0.0))
             return True  # no pool: nothing stored, a later miss
-        groups = self._copy(src_spec, dst_spec.slots.tolist(), store=True)
-        digests = [
-            digest(self._chunk(int(slot), groups[i])) for i, slot in enumerate(dst_spec.slots)
-        ]
+        try:
+            groups = self._copy(src_spec, dst_spec.slots.tolist(), store=True)
+            digests = [
+                digest(self._chunk(int(slot), groups[i])) for i, slot in enumerate(dst_spec.slots)
+            ]
+        except (IndexError, ValueError) as exc:  # slots of another pool than the one mapped
+            log.error("kvpushd tier: a store did not fit the mapped pool, nothing stored: %s", exc)
+            self._finished.append(TransferResult(job_id, True, 0, 0.0))
+            return True
         self.stored_chunks += len(digests)
         self._link.spawn(
             self._publish(
@@ -151,7 +156,13 @@ class TierWorker(OffloadingWorker):
             log.error("kvpushd tier: a load from no leased slot: its blocks are load errors")
             self._finished.append(TransferResult(job_id, True, 0, 0.0))
             return True
-        groups = self._copy(dst_spec, slots, store=False)
+        try:
+            groups = self._copy(dst_spec, slots, store=False)
+        except (IndexError, ValueError) as exc:  # slots of another pool than the one mapped
+            self._load_errors.update(int(block) for block in dst_spec.block_ids)
+            log.error("kvpushd tier: a load did not fit the mapped pool, load errors: %s", exc)
+            self._finished.append(TransferResult(job_id, True, 0, 0.0))
+            return True
         for i, slot in enumerate(slots):
             if digest(self._chunk(slot, groups[i])) != src_spec.digests[i]:
                 self.bad_chunks += 1
