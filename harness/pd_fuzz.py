@@ -168,15 +168,7 @@ class Pair:
     def forget_cached_blocks(self) -> None:
         """Forget both servers' prefix caches (a wrong write poisons the decode's)."""
         for server in self.servers:
-            conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
-            try:
-                conn.request("POST", "/reset_prefix_cache")
-                resp = conn.getresponse()
-                resp.read()
-                if resp.status != 200:
-                    raise VllmServerError(f"{server.name}: reset_prefix_cache: HTTP {resp.status}")
-            finally:
-                conn.close()
+            server.reset_prefix_cache()
 
     @property
     def servers(self) -> tuple[VllmServer, VllmServer]:

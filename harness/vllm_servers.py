@@ -409,8 +409,11 @@ class VllmServer:
         """Forget the engine's own cached blocks (vLLM's development endpoint:
         the server needs ``VLLM_SERVER_DEV_MODE=1``); a connector's cache stays."""
         req = urllib.request.Request(self.url + "/reset_prefix_cache", data=b"", method="POST")
-        with self.client(), urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            resp.read()
+        try:
+            with self.client(), urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                resp.read()
+        except urllib.error.HTTPError as e:
+            raise VllmServerError(f"{self.name}: reset_prefix_cache: HTTP {e.code}") from e
 
     def metrics(self, timeout_s: float = 10.0) -> Metrics:
         url = self.url + "/metrics"

@@ -394,13 +394,7 @@ class OffloadTier:
             self._touch(session, req.holder)
         except _Gone:
             return _gone(req)
-        if len(req.generations) != len(req.slots):
-            raise Refusal(
-                Reason.BAD_OFFLOAD,
-                f"an unlease names {len(req.slots)} slots and {len(req.generations)} "
-                "generations: they must be parallel",
-            )
-        items = list(zip(req.slots, req.generations, strict=True))
+        items = _slot_pairs(req, "an unlease")
         slots = self._ledger.registry.slots
         event = slots.check_unlease(req.holder, items)
         self._commit_lazily([event])
@@ -414,13 +408,7 @@ class OffloadTier:
             self._touch(session, req.holder)
         except _Gone:
             return _gone(req)
-        if len(req.generations) != len(req.slots):
-            raise Refusal(
-                Reason.BAD_OFFLOAD,
-                f"a condemn names {len(req.slots)} slots and {len(req.generations)} "
-                "generations: they must be parallel",
-            )
-        items = list(zip(req.slots, req.generations, strict=True))
+        items = _slot_pairs(req, "a condemn")
         event = self._ledger.registry.slots.check_condemn(req.holder, items)
         if event is None:
             return rpc.Ok(req.id)  # condemned already: said again
@@ -551,6 +539,17 @@ _CALLS: Final = (
     rpc.OffloadUnlease,
     rpc.OffloadCondemn,
 )
+
+
+def _slot_pairs(req: rpc.OffloadUnlease | rpc.OffloadCondemn, what: str) -> list[tuple[int, int]]:
+    """A call's (slot, generation) items; ``bad_offload`` when the two lists are not parallel."""
+    if len(req.generations) != len(req.slots):
+        raise Refusal(
+            Reason.BAD_OFFLOAD,
+            f"{what} names {len(req.slots)} slots and {len(req.generations)} "
+            "generations: they must be parallel",
+        )
+    return list(zip(req.slots, req.generations, strict=True))
 
 
 def _gone(req: Any) -> rpc.Reply:

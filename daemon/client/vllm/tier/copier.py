@@ -105,9 +105,6 @@ class TierWorker(OffloadingWorker):
         ]
         self._finished: list[TransferResult] = []
         self._load_errors: set[int] = set()
-        self.stored_chunks = 0
-        self.loaded_chunks = 0
-        self.bad_chunks = 0
         self._next_attach = 0.0
         try:
             pool = self._attach()
@@ -126,8 +123,7 @@ class TierWorker(OffloadingWorker):
         assert isinstance(dst_spec, TierStore), dst_spec
         started = time.perf_counter()
         if not self._pool_ready():
-            self._finished.append(TransferResult(job_id, True, 0, 0.0))
-            return True  # no pool: nothing stored, a later miss
+            return self._moved_nothing(job_id)  # no pool: nothing stored, a later miss
         try:
             groups = self._copy(src_spec, dst_spec.slots.tolist(), store=True)
             digests = [
@@ -135,9 +131,7 @@ class TierWorker(OffloadingWorker):
             ]
         except (IndexError, ValueError) as exc:  # slots of another pool than the one mapped
             log.error("kvpushd tier: a store did not fit the mapped pool, nothing stored: %s", exc)
-            self._finished.append(TransferResult(job_id, True, 0, 0.0))
-            return True
-        self.stored_chunks += len(digests)
+            return self._moved_nothing(job_id)
         self._link.spawn(
             self._publish(
                 dst_spec.slots.tolist(), list(dst_spec.generations), list(dst_spec.keys), digests
@@ -152,20 +146,17 @@ class TierWorker(OffloadingWorker):
         slots = src_spec.slots.tolist()
         if not self._pool_ready() or min(slots, default=0) < 0:
             # No pool, or a key the scheduler had no lease for.
-            self._load_errors.update(int(block) for block in dst_spec.block_ids)
             log.error("kvpushd tier: a load from no leased slot: its blocks are load errors")
-            self._finished.append(TransferResult(job_id, True, 0, 0.0))
-            return True
+            self._load_errors.update(int(block) for block in dst_spec.block_ids)
+            return self._moved_nothing(job_id)
         try:
             groups = self._copy(dst_spec, slots, store=False)
         except (IndexError, ValueError) as exc:  # slots of another pool than the one mapped
-            self._load_errors.update(int(block) for block in dst_spec.block_ids)
             log.error("kvpushd tier: a load did not fit the mapped pool, load errors: %s", exc)
-            self._finished.append(TransferResult(job_id, True, 0, 0.0))
-            return True
+            self._load_errors.update(int(block) for block in dst_spec.block_ids)
+            return self._moved_nothing(job_id)
         for i, slot in enumerate(slots):
             if digest(self._chunk(slot, groups[i])) != src_spec.digests[i]:
-                self.bad_chunks += 1
                 # Never handed out again: the daemon takes it out of its index.
                 self._link.spawn(self._condemn(slot, src_spec.generations[i]))
                 self._load_errors.update(int(block) for block in dst_spec.block_ids)
@@ -177,7 +168,6 @@ class TierWorker(OffloadingWorker):
                     len(dst_spec.block_ids),
                 )
                 break
-        self.loaded_chunks += len(slots)
         self._finish(job_id, groups, started)
         return True
 
@@ -305,6 +295,11 @@ class TierWorker(OffloadingWorker):
     def _chunk(self, slot: int, group: int) -> memoryview:
         assert self._pool is not None
         return memoryview(self._pool.view(slot)[: self._geometry.chunk_bytes(group)])
+
+    def _moved_nothing(self, job_id: int) -> bool:
+        """End a job that copied nothing (vLLM takes no failed job: what failed is said apart)."""
+        self._finished.append(TransferResult(job_id, True, 0, 0.0))
+        return True
 
     def _finish(self, job_id: int, groups: dict[int, int], started: float) -> None:
         size = sum(self._geometry.chunk_bytes(group) for group in groups.values())

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Final
 
 import msgspec
@@ -108,8 +108,3 @@ def namespace(fingerprint: Fingerprint, geometry: ChunkGeometry, hash_algo: str,
     """The digest two engines must share to read each other's chunks."""
     encoded = msgspec.msgpack.encode((TIER_LAYOUT, fingerprint, geometry, hash_algo, seed))
     return hashlib.blake2b(encoded, digest_size=16).hexdigest()
-
-
-def group_pages(refs: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
-    """Per group, its layers' page sizes (as vLLM's canonical references list them)."""
-    return tuple(tuple(int(page) for page in group) for group in refs)

@@ -92,8 +92,6 @@ class TierManager(OffloadingManager):
         self._next_grant = 0.0
         self._warned: dict[str, float] = {}  # the loop thread's: when each failure was logged
         self._stored: OrderedDict[bytes, None] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
         self._ask_credits()
 
     # lookups and loads --------------------------------------------------------
@@ -132,7 +130,6 @@ class TierManager(OffloadingManager):
         # A key with no lease here (a daemon that went away since the lookup)
         # loads from no slot: the worker reports its blocks load errors.
         leases = [self._leases.get(key) or NO_LEASE for key in keys]
-        self.hits += len(leases)
         # What it looked up beyond what it loads goes back now.
         for key in request.held - set(keys):
             self._let_go(request, key)
@@ -241,7 +238,6 @@ class TierManager(OffloadingManager):
         for key, answer in zip(keys, answers, strict=True):
             waiters = self._waiters.pop(key, set())
             if answer is None:
-                self.misses += 1
                 for rid in waiters:
                     request = self._requests.get(rid)
                     if request is not None:
